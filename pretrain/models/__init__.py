@@ -1,0 +1,7 @@
+"""Model families (GPT, recurrent GPT, NRGPT, EBT, Transformer++) behind one registry.
+
+Importing this package imports every family module, which registers its flavors."""
+from pretrain.models.common import LanguageModel, ModelOutput
+from pretrain.models.registry import FLAVORS, build, resolve
+
+__all__ = ["FLAVORS", "LanguageModel", "ModelOutput", "build", "resolve"]

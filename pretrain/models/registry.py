@@ -1,0 +1,42 @@
+"""The registry of model families and their named flavors."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch.nn as nn
+
+_FAMILIES: dict[type, type[nn.Module]] = {}
+FLAVORS: dict[str, Any] = {}
+"""Flavor name -> family config instance (treat as read-only; `resolve` returns copies)."""
+
+
+def register_family(config_cls: type, model_cls: type[nn.Module]) -> None:
+    _FAMILIES[config_cls] = model_cls
+
+
+def register_flavor(name: str, config: Any) -> None:
+    if name in FLAVORS:
+        raise ValueError(f"flavor {name!r} registered twice")
+    FLAVORS[name] = config
+
+
+def resolve(flavor: str, overrides: dict[str, Any] | None = None) -> Any:
+    """The flavor's config with `overrides` applied; unknown flavors and keys are errors."""
+    if flavor not in FLAVORS:
+        raise ValueError(f"unknown model flavor {flavor!r}; known: {', '.join(sorted(FLAVORS))}")
+    config = FLAVORS[flavor]
+    names = {f.name for f in dataclasses.fields(config)}
+    for key in overrides or {}:
+        if key not in names:
+            raise ValueError(f"model override {key!r} is not a field of {type(config).__name__}")
+    return dataclasses.replace(config, **(overrides or {}))
+
+
+def build(config: Any) -> nn.Module:
+    """Instantiate the model of the family that `config` belongs to."""
+    try:
+        model_cls = _FAMILIES[type(config)]
+    except KeyError:
+        raise ValueError(f"no model family registered for {type(config).__name__}") from None
+    return model_cls(config)
