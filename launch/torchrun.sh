@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Launch `python -m pretrain.train` under torchrun, on one node or several.
+#
+#   launch/torchrun.sh CONFIG [key=value ...]
+#
+# Single node (default): all local GPUs, or NPROC_PER_NODE processes (1 on a CPU-only machine).
+# Several nodes: run this on every node with the same NNODES, MASTER_ADDR, MASTER_PORT and
+# each node's NODE_RANK; or set RDZV_ENDPOINT=host:port (c10d rendezvous, any node order).
+#
+# Environment knobs:
+#   NPROC_PER_NODE   processes per node (default: number of visible GPUs, else 1)
+#   NNODES           number of nodes (default 1 -> --standalone)
+#   NODE_RANK        this node's rank, 0..NNODES-1 (static rendezvous)
+#   MASTER_ADDR      address of node 0 (static rendezvous)
+#   MASTER_PORT      port on node 0 (default 29500)
+#   RDZV_ENDPOINT    host:port of a c10d rendezvous (instead of NODE_RANK/MASTER_ADDR)
+#   RDZV_ID          rendezvous id shared by all nodes (default: job id or "pretrain")
+#   GRACE_SECONDS    how long torchrun lets workers checkpoint after SIGTERM/SIGUSR1 (default 300)
+#   PYTHON           interpreter (default: .venv/bin/python if present, else python3)
+set -euo pipefail
+
+if [ $# -lt 1 ]; then
+  echo "usage: launch/torchrun.sh CONFIG [key=value ...]" >&2
+  exit 2
+fi
+config=$1
+shift
+if [ ! -f "$config" ]; then
+  echo "launch/torchrun.sh: config file not found: $config" >&2
+  exit 2
+fi
+config=$(cd "$(dirname "$config")" && pwd)/$(basename "$config")
+
+repo_root=$(cd "$(dirname "$0")/.." && pwd)
+if [ -z "${PYTHON:-}" ]; then
+  if [ -x "$repo_root/.venv/bin/python" ]; then PYTHON="$repo_root/.venv/bin/python"; else PYTHON=python3; fi
+fi
+
+if [ -z "${NPROC_PER_NODE:-}" ]; then
+  NPROC_PER_NODE=$("$PYTHON" -c "import torch; print(torch.cuda.device_count() or 1)")
+fi
+NNODES=${NNODES:-1}
+
+# torchrun forwards these signals to its workers and waits GRACE_SECONDS for them to save a
+# checkpoint; by default it would not handle SIGUSR1 (Slurm's early warning) at all and would
+# die from it, orphaning the workers.
+export TORCHELASTIC_SIGNALS_TO_HANDLE="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${GRACE_SECONDS:-300}"
+
+args=(--nproc_per_node="$NPROC_PER_NODE")
+if [ "$NNODES" = 1 ] && [ -z "${RDZV_ENDPOINT:-}" ]; then
+  args+=(--standalone)
+elif [ -n "${RDZV_ENDPOINT:-}" ]; then
+  args+=(--nnodes="$NNODES" --rdzv_backend=c10d --rdzv_endpoint="$RDZV_ENDPOINT"
+         --rdzv_id="${RDZV_ID:-${SLURM_JOB_ID:-pretrain}}")
+else
+  : "${NODE_RANK:?NODE_RANK must be set when NNODES > 1 (or set RDZV_ENDPOINT)}"
+  : "${MASTER_ADDR:?MASTER_ADDR must be set when NNODES > 1 (or set RDZV_ENDPOINT)}"
+  args+=(--nnodes="$NNODES" --node_rank="$NODE_RANK" --master_addr="$MASTER_ADDR"
+         --master_port="${MASTER_PORT:-29500}")
+fi
+
+cd "$repo_root"
+exec "$PYTHON" -m torch.distributed.run "${args[@]}" -m pretrain.train --config "$config" "$@"
