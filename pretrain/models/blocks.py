@@ -1,0 +1,134 @@
+"""Building blocks shared by the learned-position families (GPT, GPT_Rec, NRGPT): the common
+config fields, token + position embedding, the final-norm readout and the loss."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from pretrain.models.common import LanguageModel, ModelOutput
+
+CHECKPOINTING_MODES = ("off", "step", "block")
+
+
+def check_choice(config: object, name: str, choices: tuple) -> None:
+    """Raise a ValueError naming the field when `config.<name>` is not one of `choices`."""
+    value = getattr(config, name)
+    if value not in choices:
+        raise ValueError(f"{type(config).__name__}.{name} must be one of {choices}, got {value!r}")
+
+
+def check_positive(config: object, *names: str) -> None:
+    for name in names:
+        if not getattr(config, name) > 0:
+            raise ValueError(f"{type(config).__name__}.{name} must be > 0, "
+                             f"got {getattr(config, name)!r}")
+
+
+def maybe_checkpoint(enabled: bool, fn: Callable, *args):
+    """fn(*args), recomputed in backward instead of keeping its activations when `enabled`.
+    Non-reentrant so that it composes with autograd.grad and keeps dropout's RNG state."""
+    if enabled and torch.is_grad_enabled():
+        return checkpoint(fn, *args, use_reentrant=False)
+    return fn(*args)
+
+
+@dataclass
+class LMConfig:
+    """Fields shared by the families with learned absolute positions and an LM head."""
+
+    vocab_size: int = 50304
+    """Vocabulary size (the trainer sets it from the data manifest, padded to a multiple of 64)."""
+    block_size: int = 1024
+    """Context length: the number of learned positions."""
+    n_embd: int = 768
+    """Model width D."""
+    n_head: int = 12
+    """Number of attention heads."""
+    tie_embeddings: bool = True
+    """Share the LM head's weight with the token embedding."""
+    head_bias: bool = False
+    """Give the LM head a bias (the released NRGPT code's untied head has one)."""
+    dropout: float = 0.0
+    """Dropout probability (embeddings, and where the family has them, attention and residuals)."""
+    activation_checkpointing: str = "off"
+    """"off", "step" (each recurrent step) or "block" (each block); recomputed in backward."""
+    init_std: float = 0.02
+    """Standard deviation of the normal initialisation of linear and embedding weights."""
+
+    def __post_init__(self):
+        check_positive(self, "vocab_size", "block_size", "n_embd", "n_head", "init_std")
+        check_choice(self, "activation_checkpointing", CHECKPOINTING_MODES)
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"{type(self).__name__}.dropout must be in [0, 1), got {self.dropout!r}")
+        if self.tie_embeddings and self.head_bias:
+            raise ValueError(f"{type(self).__name__}.head_bias needs tie_embeddings=False")
+
+
+class LearnedPositionLM(LanguageModel):
+    """Token + learned position embedding -> `trunk` -> final LayerNorm -> LM head.
+
+    Subclasses build their trunk, call `init_weights()` and implement `trunk` and
+    `flops_per_token`."""
+
+    def __init__(self, config: LMConfig, final_norm_bias: bool = True):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+        self.ln_f = nn.LayerNorm(config.n_embd, bias=final_norm_bias)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=config.head_bias)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+
+    def init_weights(self, residual_projections: tuple[str, ...] = (), depth: int = 1) -> None:
+        """GPT-2 initialisation: N(0, init_std) weights, zero biases; weights whose name ends in
+        one of `residual_projections` get init_std / sqrt(2 depth) so that the residual stream's
+        variance does not grow with depth."""
+        std = self.config.init_std
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+        for name, p in self.named_parameters():
+            if name.endswith(residual_projections):
+                nn.init.normal_(p, mean=0.0, std=std / math.sqrt(2 * depth))
+
+    def embedding_parameters(self) -> list[nn.Parameter]:
+        params = [self.wte.weight, self.wpe.weight]
+        if not self.config.tie_embeddings:
+            params.append(self.lm_head.weight)
+        if self.lm_head.bias is not None:
+            params.append(self.lm_head.bias)
+        return params
+
+    def readout_flops(self, training: bool) -> float:
+        """The LM head's matmul (2 D V per token forward, x3 in training)."""
+        return (6 if training else 2) * self.config.n_embd * self.config.vocab_size
+
+    def trunk(self, x: torch.Tensor, return_energies: bool) -> tuple[torch.Tensor, dict]:
+        """[B, T, D] embeddings -> ([B, T, D] final state, diagnostics)."""
+        raise NotImplementedError
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                return_energies: bool = False) -> ModelOutput:
+        seq_len = idx.size(1)
+        if seq_len > self.config.block_size:
+            raise ValueError(f"sequence length {seq_len} exceeds block_size {self.config.block_size}")
+        positions = torch.arange(seq_len, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(positions))
+        x, diagnostics = self.trunk(x, return_energies)
+        logits = self.lm_head(self.ln_f(x))
+        loss = None
+        if targets is not None:
+            # at least float32 for the softmax, also when the model runs in bf16
+            wide = torch.promote_types(logits.dtype, torch.float32)
+            loss = F.cross_entropy(logits.flatten(0, 1).to(wide), targets.flatten(), ignore_index=-1)
+        return ModelOutput(loss=loss, logits=logits, diagnostics=diagnostics)
