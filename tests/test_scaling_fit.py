@@ -1,0 +1,182 @@
+"""Scaling fits: recovery of known exponents, the registry, the fit command's outputs."""
+import csv
+import json
+import math
+
+import numpy as np
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.custom_scalar import layout_pb2
+
+from pretrain.scaling.__main__ import main
+from pretrain.scaling.fit import TooFewPoints, fit_power_law, rate_difference
+from pretrain.scaling.registry import RunRecord, load_registry
+from pretrain.scaling.report import TB_STEPS_PER_DECADE
+
+ALPHA_TOLERANCE = 0.1
+"""Relative error allowed on a recovered exponent with 12 points and 0.5% noise."""
+
+
+# Laws whose reducible part A x^-alpha spans from about the size of E down to a few percent of
+# it over the x range, as in real sweeps (a reducible part lost in the noise pins nothing).
+@pytest.mark.parametrize("E, A, alpha, lo, hi", [
+    (1.7, 400.0, 0.34, 1e5, 1e9),      # L(N)-like
+    (2.3, 80.0, 0.12, 1e12, 1e18),     # L(C)-like: small exponent over 6 decades
+    (0.8, 4000.0, 0.55, 1e6, 1e10),
+])
+def test_fit_recovers_known_power_law(E, A, alpha, lo, hi):
+    covered = 0
+    for seed in range(4):
+        rng = np.random.default_rng(seed)
+        x = np.geomspace(lo, hi, 12)
+        y = (E + A * x**-alpha) * (1 + 0.005 * rng.standard_normal(x.size))
+        fit = fit_power_law(x, y, n_bootstrap=300, seed=seed)
+        assert abs(fit.law.alpha - alpha) <= ALPHA_TOLERANCE * alpha
+        assert abs(fit.law.E - E) <= 0.05 * E
+        covered += fit.ci["alpha"][0] <= alpha <= fit.ci["alpha"][1]
+        assert fit.ci["alpha"][0] < fit.law.alpha < fit.ci["alpha"][1]
+    assert covered >= 3  # nominal 95% intervals: at most one miss in four
+
+
+def test_pure_power_law_and_rate_difference():
+    x = np.geomspace(1e6, 1e9, 8)
+    rng = np.random.default_rng(1)
+    noise = lambda: 1 + 0.003 * rng.standard_normal(x.size)  # noqa: E731
+    base = fit_power_law(x, 50 * x**-0.2 * noise(), irreducible=False, n_bootstrap=300)
+    other = fit_power_law(x, 80 * x**-0.25 * noise(), irreducible=False, n_bootstrap=300)
+    assert base.law.E == 0 and abs(base.law.alpha - 0.2) < 0.01
+    value, (lo, hi) = rate_difference(other, base)
+    assert abs(value - 0.25) < 0.05 and lo < 0.25 < hi
+
+
+def test_exact_fit_has_no_interval_and_too_few_points_is_an_error():
+    fit = fit_power_law([1e3, 1e4, 1e5], [3.0, 2.5, 2.2])
+    assert fit.n_points == 3 and all(math.isnan(v) for v in fit.ci["alpha"])
+    with pytest.raises(TooFewPoints, match="2 distinct point"):
+        fit_power_law([1e3, 1e4, 1e4], [3.0, 2.5, 2.4])
+    with pytest.raises(ValueError, match="positive"):
+        fit_power_law([1e3, 1e4, 1e5], [3.0, -2.5, 2.2])
+
+
+def _record(name, family, n, tokens, loss, **kw):
+    values = dict(run_name=name, family=family, flavor=f"{family}-tiny", params=n + 1000,
+                  non_embedding_params=n, tokens_seen=tokens, train_flops=6.0 * n * tokens,
+                  final_train_loss=loss * 0.95, best_val_loss=loss, final_val_loss=loss * 1.01,
+                  wall_time_s=1.5, hardware="cpu", world_size=2, steps=10)
+    values.update(kw)
+    return RunRecord(**values)
+
+
+def _write_run(root, record):
+    run_dir = root / record.run_name
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text("run_name: x\n")
+    record.save(run_dir)
+    return run_dir
+
+
+def test_registry_round_trip_lists_missing_and_invalid(tmp_path):
+    record = _record("a", "gpt", 1000, 10**6, 3.2, extra={"think_loss": [3.3, 3.1]})
+    _write_run(tmp_path / "sweep", record)
+    (tmp_path / "sweep" / "unfinished" / "ckpt").mkdir(parents=True)
+    (tmp_path / "sweep" / "unfinished" / "config.yaml").write_text("run_name: unfinished\n")
+    bad = tmp_path / "sweep" / "bad"
+    bad.mkdir()
+    (bad / "summary.json").write_text(json.dumps({"run_name": "bad", "family": "gpt"}))
+    registry = load_registry([tmp_path])
+    assert [r for _, r in registry.records] == [record]
+    assert registry.records[0][1].extra == {"think_loss": [3.3, 3.1]}
+    assert registry.missing == [tmp_path / "sweep" / "unfinished"]
+    assert [d for d, _ in registry.invalid] == [bad]
+    assert "missing key 'flavor'" in registry.invalid[0][1]
+    with pytest.raises(ValueError, match="not a directory"):
+        load_registry([tmp_path / "nope"])
+
+
+def test_record_type_errors_name_the_key():
+    data = _record("a", "gpt", 1000, 10**6, 3.2).to_dict()
+    data["tokens_seen"] = "many"
+    with pytest.raises(ValueError, match="'tokens_seen'"):
+        RunRecord.from_dict(data, "x/summary.json")
+    data["tokens_seen"] = 5
+    data["best_val_loss"] = None  # optional
+    assert RunRecord.from_dict(data).best_val_loss is None
+
+
+# Two synthetic families with known laws in N (at a fixed token budget) and hence in C.
+TRUTH = {"gpt": (1.5, 60.0, 0.30), "nrgpt": (1.6, 90.0, 0.36)}
+SIZES = np.geomspace(2e4, 2e7, 7).astype(int)
+TOKENS = 10**8
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    rng = np.random.default_rng(0)
+    for family, (E, A, alpha) in TRUTH.items():
+        for n in SIZES:
+            loss = (E + A * n**-alpha) * (1 + 0.003 * rng.standard_normal())
+            _write_run(root, _record(f"{family}-{n}", family, int(n), TOKENS, float(loss)))
+    # One family with two runs: a message, not a crash.
+    for n in SIZES[:2]:
+        _write_run(root, _record(f"ebt-{n}", "ebt", int(n), TOKENS, 4.0))
+    (root / "crashed").mkdir()
+    (root / "crashed" / "config.yaml").write_text("run_name: crashed\n")
+    out = tmp_path_factory.mktemp("fit") / "out"
+    return root, out
+
+
+def test_fit_command_outputs_and_tensorboard(fitted, capsys):
+    root, out = fitted
+    assert main(["fit", str(root), "--out", str(out), "--bootstrap", "200"]) == 0
+    printed = capsys.readouterr().out
+    assert "missing summary.json" in printed and "crashed" in printed
+    assert "ebt L(N): too few points" in printed
+
+    rows = {(r["group"], r["law"]): r for r in csv.DictReader((out / "fits.csv").open())}
+    for family, (_, _, alpha) in TRUTH.items():
+        row = rows[(family, "L(N)")]
+        assert abs(float(row["alpha"]) - alpha) <= ALPHA_TOLERANCE * alpha
+        assert float(row["alpha_lo"]) <= alpha <= float(row["alpha_hi"])
+        # At a fixed budget C = 6 N D, so L(C) has the same exponent.
+        assert abs(float(rows[(family, "L(C)")]["alpha"]) - alpha) <= ALPHA_TOLERANCE * alpha
+        assert "not varied" in rows[(family, "L(D)")]["notes"]
+    assert float(rows[("gpt", "L(N)")]["slope_vs_baseline"]) == 0.0
+    slopes = {f: float(rows[(f, "L(N)")]["slope"]) for f in TRUTH}
+    assert float(rows[("nrgpt", "L(N)")]["slope_vs_baseline"]) == pytest.approx(
+        (slopes["nrgpt"] - slopes["gpt"]) / slopes["gpt"])
+    assert rows[("ebt", "L(N)")]["alpha"] == "" and "too few" in rows[("ebt", "L(N)")]["notes"]
+    assert "| nrgpt | L(N) | 7 |" in (out / "fits.md").read_text()
+    assert (out / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    acc = EventAccumulator(str(out / "tb"), size_guidance={"scalars": 0, "images": 0,
+                                                          "tensors": 0})
+    acc.Reload()
+    for family, (E, A, alpha) in TRUTH.items():
+        events = acc.Scalars(f"loss_vs_params/{family}")
+        assert [e.step for e in events] == [round(TB_STEPS_PER_DECADE * math.log10(n))
+                                            for n in SIZES]
+        fit_events = acc.Scalars(f"loss_vs_params_fit/{family}")
+        assert len(fit_events) > 20
+        for e in fit_events:  # the fitted curve follows the true law closely
+            x = 10 ** (e.step / TB_STEPS_PER_DECADE)
+            assert e.value == pytest.approx(E + A * x**-alpha, rel=0.01)
+        assert len(acc.Scalars(f"loss_vs_flops/{family}")) == len(SIZES)
+    assert len(acc.Scalars("loss_vs_params/ebt")) == 2
+    assert "scaling/loglog" in acc.Tags()["images"]
+    layout = layout_pb2.Layout()
+    layout.ParseFromString(acc.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0])
+    charts = {c.title: list(c.multiline.tag) for cat in layout.category for c in cat.chart}
+    assert charts["loss vs params (step = 1000 log10 N)"] == [r"loss_vs_params/.*",
+                                                             r"loss_vs_params_fit/.*"]
+
+
+def test_fit_command_bad_input(tmp_path, capsys):
+    assert main(["fit", str(tmp_path / "nope")]) == 2
+    assert "not a directory" in capsys.readouterr().err
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text("run_name: run\n")
+    assert main(["fit", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no finished runs" in err
+    assert not (tmp_path / "out").exists()
