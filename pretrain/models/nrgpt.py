@@ -1,0 +1,339 @@
+"""NRGPT: a GPT whose one shared block is a step of gradient descent on an energy (spec 2).
+
+Each of `n_steps` applications of the block updates every token A by
+
+    g = Norm(x);   x_A <- x_A - eta (dE_AT(A)/dg_A + s_ff dE_FF(A)/dg_A)
+
+where E(A) is token A's *own* energy, differentiated w.r.t. its own g_A only (the causality
+rule). All gradients are closed form, computed in a plain forward pass, so training needs no
+double backward; `energy` methods give the energies themselves (monitoring and tests)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from pretrain.models.blocks import LearnedPositionLM, LMConfig, check_choice, check_positive, maybe_checkpoint
+from pretrain.models.registry import register_family, register_flavor
+
+
+@dataclass
+class NRGPTConfig(LMConfig):
+    """NRGPT; the defaults are the released OpenWebText model NRGPT_H_FF2W (90.5M at D=768)."""
+
+    tie_embeddings: bool = False
+    head_bias: bool = True
+    n_steps: int = 12
+    """Number of descent steps (applications of the shared block); plays the role of depth."""
+    attention: str = "full"
+    """"full": a learned D x D J_h per head, beta=1, alpha_h=1 (released code); "lowrank":
+    J_h = W_K^T W_Q with head dim D / n_head, beta = 1/sqrt(head dim), learnable alpha_h."""
+    mask: str = "inclusive"
+    """Causal key set of token A: "strict" (B < A; ListOps runs) or "inclusive" (B <= A)."""
+    grad_mode: str = "reference"
+    """"exact": the true gradient of E_AT(A) (adds the self term under the inclusive mask);
+    "reference": without the self term, as the released code computes it."""
+    ff_energy: str = "ff2w"
+    """Feed-forward energy: "ff1", "ff2" or "ff2w" (spec 2.2)."""
+    ff_act: str = "gelu"
+    """sigma of the FF energy: "gelu" (exact, erf form) or "relu"."""
+    ff_hidden_factor: int = 4
+    """Hidden width of the FF energy as a multiple of D."""
+    eta: str = "full"
+    """Inference rate: "full" (learned D x D), "diag_gamma" (c diag(gamma)) or "scalar" (c I)."""
+    eta_init: float = 0.1
+    """Initial c = softplus(raw) for eta "diag_gamma" / "scalar"."""
+    eta_per_step: bool = False
+    """Learn one eta per step (eta(t)) instead of one shared by every step."""
+    norm: str = "layernorm"
+    """"layernorm" or "rmsnorm"."""
+    learnable_gamma: bool = False
+    """Learn the norm's scale gamma; the released code freezes it at 1."""
+    norm_bias: bool = True
+    """Learnable additive bias after the norm (released code: yes)."""
+    log_energy: bool = False
+    """Always compute per-step energies (otherwise only when forward gets return_energies)."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_positive(self, "n_steps", "ff_hidden_factor", "eta_init")
+        check_choice(self, "attention", ("full", "lowrank"))
+        check_choice(self, "mask", ("strict", "inclusive"))
+        check_choice(self, "grad_mode", ("exact", "reference"))
+        check_choice(self, "ff_energy", ("ff1", "ff2", "ff2w"))
+        check_choice(self, "ff_act", ("gelu", "relu"))
+        check_choice(self, "eta", ("full", "diag_gamma", "scalar"))
+        check_choice(self, "norm", ("layernorm", "rmsnorm"))
+        if self.attention == "lowrank" and self.n_embd % self.n_head:
+            raise ValueError(f"NRGPTConfig.n_head={self.n_head} must divide n_embd={self.n_embd} "
+                             "for lowrank attention")
+
+
+def split_heads(t: torch.Tensor, n_head: int) -> torch.Tensor:
+    B, T, width = t.shape
+    return t.view(B, T, n_head, width // n_head).transpose(1, 2)
+
+
+def merge_heads(t: torch.Tensor) -> torch.Tensor:
+    B, H, T, d = t.shape
+    return t.transpose(1, 2).reshape(B, T, H * d)
+
+
+class EnergyAttention(nn.Module):
+    """E_AT(A) = -(1/beta) sum_h alpha_h log sum_{B in M(A)} exp(beta q_hA . k_hB), with
+    q_h = W_Q,h g and k_h = W_K,h g so that g_B^T J_h g_A = q_hA . k_hB, J_h = W_K,h^T W_Q,h.
+
+    `full` stores the key side only: W_Q,h = I and W_K,h = J_h^T (the rows of `key` for head h
+    hold J_h^T). Then dE_AT(A)/dg_A = -sum_h alpha_h W_Q,h^T sum_B p_AB k_hB is ordinary
+    attention with values tied to keys, followed by W_Q^T (nothing for `full`); the exact mode's
+    self term -sum_h alpha_h p_AA J_h g_A is W_K^T applied to p_AA q_A."""
+
+    def __init__(self, config: NRGPTConfig):
+        super().__init__()
+        D, H = config.n_embd, config.n_head
+        self.n_head, self.lowrank, self.strict = H, config.attention == "lowrank", config.mask == "strict"
+        self.self_term = config.grad_mode == "exact" and not self.strict
+        head_dim = D // H if self.lowrank else D
+        self.beta = 1 / math.sqrt(head_dim) if self.lowrank else 1.0
+        self.key = nn.Linear(D, H * head_dim, bias=False)
+        self.query = nn.Linear(D, H * head_dim, bias=False) if self.lowrank else None
+        self.alpha = nn.Parameter(torch.ones(H)) if self.lowrank else None
+
+    def project(self, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries [B, H, T, d] (for `full` g itself, expanded over heads) and keys [B, H, T, d]."""
+        k = split_heads(self.key(g), self.n_head)
+        q = split_heads(self.query(g), self.n_head) if self.lowrank else g.unsqueeze(1).expand_as(k)
+        return q, k
+
+    def key_sets(self, q, k):
+        """The strict mask {B < A} is the inclusive causal mask between queries 1..T-1 and keys
+        0..T-2; token 0 then has no keys, and `pad_first` gives it a zero row afterwards."""
+        return (q[:, :, 1:], k[:, :, :-1]) if self.strict else (q, k)
+
+    def pad_first(self, t: torch.Tensor) -> torch.Tensor:
+        if not self.strict:
+            return t
+        B, H, _, d = t.shape
+        return torch.cat([t.new_zeros(B, H, 1, d), t], dim=2)
+
+    def masked_scores(self, q, k) -> torch.Tensor:
+        T = q.size(2)
+        future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+        return (self.beta * q @ k.transpose(-1, -2)).masked_fill(future, float("-inf"))
+
+    def weighted(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.alpha is None else t * self.alpha.view(1, -1, 1, 1)
+
+    def energy(self, g: torch.Tensor) -> torch.Tensor:
+        """[B, T] per-token E_AT (0 for a token with no keys)."""
+        q, k = self.key_sets(*self.project(g))
+        lse = torch.logsumexp(self.masked_scores(q, k), dim=-1, keepdim=True)  # [B, H, T', 1]
+        return -self.pad_first(self.weighted(lse)).sum(dim=1).squeeze(-1) / self.beta
+
+    def forward(self, g: torch.Tensor) -> torch.Tensor:
+        """[B, T, D] closed-form dE_AT(A)/dg_A for every token A."""
+        q, k = self.project(g)
+        q_seen, k_seen = self.key_sets(q, k)
+        if self.self_term:
+            # SDPA does not return p_AA, so this path forms the scores explicitly: the same
+            # FLOPs as attention, but O(T^2) memory per head and no fused kernel.
+            p = torch.softmax(self.masked_scores(q_seen, k_seen), dim=-1)
+            mixed, p_self = p @ k_seen, p.diagonal(dim1=-2, dim2=-1).unsqueeze(-1)
+        elif q_seen.size(2) == 0:  # strict mask, one token: no keys at all
+            mixed = q_seen
+        else:
+            mixed = F.scaled_dot_product_attention(q_seen, k_seen, k_seen, is_causal=True,
+                                                   scale=self.beta)
+        mixed = self.weighted(self.pad_first(mixed))
+        grad = -(merge_heads(mixed) @ self.query.weight if self.lowrank else mixed.sum(dim=1))
+        if self.self_term:
+            grad = grad - merge_heads(self.weighted(p_self * q)) @ self.key.weight
+        return grad
+
+
+def act_and_slope(u: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """sigma(u) and sigma'(u); GELU in its exact erf form, sigma' = Phi(u) + u phi(u)."""
+    if kind == "relu":
+        return F.relu(u), (u > 0).to(u.dtype)
+    cdf = 0.5 * (1.0 + torch.erf(u / math.sqrt(2.0)))
+    pdf = torch.exp(-0.5 * u * u) / math.sqrt(2.0 * math.pi)
+    return u * cdf, cdf + u * pdf
+
+
+class EnergyFF(nn.Module):
+    """Per-token Dense Associative Memory energies and their closed-form gradients (spec 2.2).
+
+    ff1:  E = -||sigma(W g + b)||^2
+    ff2:  E = -||sigma(W2 sigma(W1 g + b1) + b2)||^2   (W1: D -> D, W2: D -> hD as released)
+    ff2w: E = -g . (W2 sigma(W1 g + b1) + b2)          (W1: D -> hD, W2: hD -> D)"""
+
+    def __init__(self, config: NRGPTConfig):
+        super().__init__()
+        D, hidden = config.n_embd, config.ff_hidden_factor * config.n_embd
+        self.kind, self.act = config.ff_energy, config.ff_act
+        if self.kind == "ff1":
+            self.fc1 = nn.Linear(D, hidden)
+        elif self.kind == "ff2":
+            self.fc1, self.fc2 = nn.Linear(D, D), nn.Linear(D, hidden)
+        else:
+            self.fc1, self.fc2 = nn.Linear(D, hidden), nn.Linear(hidden, D)
+
+    def energy(self, g: torch.Tensor) -> torch.Tensor:
+        """[B, T] per-token E_FF."""
+        hidden, _ = act_and_slope(self.fc1(g), self.act)
+        if self.kind == "ff1":
+            return -hidden.square().sum(-1)
+        if self.kind == "ff2":
+            return -act_and_slope(self.fc2(hidden), self.act)[0].square().sum(-1)
+        return -(g * self.fc2(hidden)).sum(-1)
+
+    def forward(self, g: torch.Tensor) -> torch.Tensor:
+        """[B, T, D] closed-form dE_FF/dg."""
+        hidden, slope = act_and_slope(self.fc1(g), self.act)
+        if self.kind == "ff1":
+            return -2 * (slope * hidden) @ self.fc1.weight
+        if self.kind == "ff2":
+            out, out_slope = act_and_slope(self.fc2(hidden), self.act)
+            return -2 * (slope * ((out_slope * out) @ self.fc2.weight)) @ self.fc1.weight
+        return -self.fc2(hidden) - (slope * (g @ self.fc2.weight)) @ self.fc1.weight
+
+
+class EnergyNorm(nn.Module):
+    """LayerNorm or RMSNorm with gamma learnable or frozen at 1 (then absent) and an optional bias."""
+
+    def __init__(self, config: NRGPTConfig, eps: float = 1e-5):
+        super().__init__()
+        D = config.n_embd
+        self.kind, self.shape, self.eps = config.norm, (D,), eps
+        self.weight = nn.Parameter(torch.ones(D)) if config.learnable_gamma else None
+        self.bias = nn.Parameter(torch.zeros(D)) if config.norm_bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "layernorm":
+            return F.layer_norm(x, self.shape, self.weight, self.bias, self.eps)
+        g = F.rms_norm(x, self.shape, self.weight, self.eps)
+        return g if self.bias is None else g + self.bias
+
+
+class InferenceRate(nn.Module):
+    """eta: maps the energy gradient w.r.t. g to the update of x (one per step if requested).
+
+    With eta = c diag(gamma) the update descends each token's energy: the norm's Jacobian is
+    dg/dx = diag(gamma) P / sigma with P a symmetric PSD projector, so to first order
+    dE = -(c / sigma) (gamma * dE/dg)^T P (gamma * dE/dg) <= 0 (spec 2.3)."""
+
+    def __init__(self, config: NRGPTConfig):
+        super().__init__()
+        self.kind, self.per_step = config.eta, config.eta_per_step
+        n_rates, D = (config.n_steps if config.eta_per_step else 1), config.n_embd
+        if self.kind == "full":
+            self.matrix = nn.Parameter(torch.randn(n_rates, D, D) * config.init_std)
+        else:  # c = softplus(raw) > 0
+            raw = math.log(math.expm1(config.eta_init))
+            self.raw_scale = nn.Parameter(torch.full((n_rates,), raw))
+
+    def forward(self, direction: torch.Tensor, step: int, gamma: torch.Tensor | None) -> torch.Tensor:
+        i = step if self.per_step else 0
+        if self.kind == "full":
+            return direction @ self.matrix[i].T
+        step_size = F.softplus(self.raw_scale[i]) * direction
+        return step_size * gamma if self.kind == "diag_gamma" and gamma is not None else step_size
+
+    def scale(self) -> torch.Tensor:
+        """c averaged over steps, or the mean |eta| entry for a full matrix (for logging)."""
+        if self.kind == "full":
+            return self.matrix.detach().abs().mean()
+        return F.softplus(self.raw_scale.detach()).mean()
+
+
+class EnergyBlock(nn.Module):
+    """The shared block: one descent step on E(A) = E_AT(A) + s_ff E_FF(A) for every token."""
+
+    def __init__(self, config: NRGPTConfig):
+        super().__init__()
+        self.norm = EnergyNorm(config)
+        self.attn = EnergyAttention(config)
+        self.ff = EnergyFF(config)
+        self.s_ff = nn.Parameter(torch.ones(1))
+        self.eta = InferenceRate(config)
+
+    def energy(self, g: torch.Tensor) -> torch.Tensor:
+        """[B, T] per-token energies at normalised state g."""
+        return self.attn.energy(g) + self.s_ff * self.ff.energy(g)
+
+    def energy_gradient(self, g: torch.Tensor) -> torch.Tensor:
+        """[B, T, D]: row A is dE(A)/dg_A (closed form)."""
+        return self.attn(g) + self.s_ff * self.ff(g)
+
+    def forward(self, x: torch.Tensor, step: int, return_energy: bool = False):
+        """(next state, [B, T] energies at x or None)."""
+        g = self.norm(x)
+        energy = None
+        if return_energy:
+            with torch.no_grad():
+                energy = self.energy(g)
+        return x - self.eta(self.energy_gradient(g), step, self.norm.weight), energy
+
+
+class NRGPT(LearnedPositionLM):
+    def __init__(self, config: NRGPTConfig):
+        super().__init__(config)
+        self.block = EnergyBlock(config)
+        self.init_weights()
+
+    def zero3_leaf_modules(self):
+        # The block calls its submodules' energy methods, not only their forward hooks.
+        return [EnergyBlock]
+
+    def trunk(self, x, return_energies=False):
+        want_energy = return_energies or self.config.log_energy
+        checkpointed = self.config.activation_checkpointing != "off"
+        energies = []
+        for step in range(self.config.n_steps):
+            x, energy = maybe_checkpoint(checkpointed, self.block, x, step, want_energy)
+            energies.append(energy)
+        diagnostics = {"s_ff": self.block.s_ff.detach()[0], "eta_scale": self.block.eta.scale()}
+        if want_energy:
+            per_token = torch.stack(energies)  # [S, B, T]
+            diagnostics["energy"] = per_token.mean(dim=(1, 2))
+            diagnostics["_token_energy"] = per_token
+        return x, diagnostics
+
+    def flops_per_token(self, seq_len: int, training: bool = True) -> float:
+        """Matmul FLOPs (2 per multiply-accumulate) of one step, times n_steps, plus the LM head.
+
+        Per step and token: attention projections (full: 2 H D^2 for the keys J_h^T g; lowrank:
+        2 x 2 H d D for queries and keys + 2 H d D for the W_Q^T back-projection), 4 H d T for
+        scores and mixing over the full context (PaLM convention, d = head dim, D for full), the
+        exact mode's self term 2 H d D (W_K^T p_AA q), the FF gradient (ff1 16 D^2, ff2 20 D^2,
+        ff2w 32 D^2: two matmuls per FF weight, i.e. twice an MLP forward) and eta full 2 D^2.
+        Training = 3 x forward (backward = 2x forward); energies for monitoring are not counted."""
+        c = self.config
+        D, H, hidden = c.n_embd, c.n_head, c.ff_hidden_factor * c.n_embd
+        d = D // H if c.attention == "lowrank" else D
+        attention = 2 * H * d * D * (3 if c.attention == "lowrank" else 1) + 4 * H * d * seq_len
+        if c.grad_mode == "exact" and c.mask == "inclusive":
+            attention += 2 * H * d * D
+        ff_weights = {"ff1": hidden * D, "ff2": D * D + hidden * D, "ff2w": 2 * hidden * D}[c.ff_energy]
+        step = attention + 4 * ff_weights + (2 * D * D if c.eta == "full" else 0)
+        return (3 if training else 1) * c.n_steps * step + self.readout_flops(training)
+
+
+register_family(NRGPTConfig, NRGPT)
+
+# The released OWT model (90.5M) and the same structure at ~125.6M.
+register_flavor("nrgpt-ff2w-90m", NRGPTConfig())
+register_flavor("nrgpt-ff2w-128m", NRGPTConfig(n_embd=1020))
+register_flavor("nrgpt-tiny", NRGPTConfig(vocab_size=512, block_size=64, n_embd=32, n_head=2, n_steps=3))
+# Scaling sweep sizes at the widths of gpt-mini / gpt-small.
+register_flavor("nrgpt-mini", NRGPTConfig(vocab_size=512, block_size=256, n_embd=64, n_head=4, n_steps=4))
+register_flavor("nrgpt-small", NRGPTConfig(vocab_size=512, block_size=256, n_embd=128, n_head=4, n_steps=6))
+# ListOps (released runs): 1 full head, 5 steps, strict mask, 20-token vocabulary.
+for ff_energy in ("ff1", "ff2w"):
+    for width in (8, 16, 32, 64, 128, 256):
+        register_flavor(f"nrgpt-{ff_energy}-listops-w{width}",
+                        NRGPTConfig(vocab_size=20, block_size=128, n_embd=width, n_head=1,
+                                    n_steps=5, mask="strict", ff_energy=ff_energy))
