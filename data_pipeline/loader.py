@@ -1,0 +1,195 @@
+"""Per-rank, resumable loading of a prepared dataset's windows as (inputs, targets) batches.
+
+Built on mosaicml-streaming: `StreamingDataset` partitions and shuffles the windows of a split
+over ranks and DataLoader workers, and `StreamingDataLoader.state_dict()` records how far the
+whole job got, so a restarted job resumes the exact sample order mid-epoch.
+
+Choices that are not streaming's defaults, and why:
+- The split directory is read in place (`local` = the split, no `remote`): no copy of the data,
+  and streaming's "reused local directory" check (which only applies with a remote) never
+  trips, so train and val loaders, re-created loaders and concurrent jobs can share a dataset.
+- `num_canonical_nodes` is fixed by the split size alone (see `canonical_nodes_for`), never by
+  the world size: with it fixed, streaming's global sample order for a fixed global batch is the
+  same at any number of ranks (elastic determinism), and tiny splits are not spread so thin that
+  streaming repeats windows to fill its partitions.
+- Epochs: iterating the loader runs epoch after epoch (streaming's epoch counter advances and,
+  with shuffling, reshuffles with seed + epoch) unless `repeat=False`, which stops after one.
+- Shards are checked against the xxh64 checksums and sizes in the split's `index.json` before
+  use, so a corrupted or truncated shard is an error naming the shard, not a wrong batch.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import tempfile
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from data_pipeline.sources import DataError
+from data_pipeline.streaming_compat import streaming
+from streaming.base.constant import BARRIER_FILELOCK, CACHE_FILELOCK
+
+MAX_CANONICAL_NODES = 64
+"""Upper bound on canonical nodes (streaming's usual value for its py1e shuffle)."""
+MIN_WINDOWS_PER_CANONICAL_NODE = 64
+"""Windows each canonical node gets at least, so tiny splits use few canonical nodes."""
+SHARD_HASH = "xxh64"
+"""Checksum the writer records for every shard (see prepare.WindowWriter)."""
+
+
+def read_manifest(data_dir: str) -> dict:
+    """The manifest of a prepared dataset; DataError if `data_dir` holds none."""
+    path = os.path.join(data_dir, "manifest.json")
+    if not os.path.isfile(path):
+        raise DataError(f"{data_dir} is not a prepared dataset (no manifest.json); run "
+                        "python -m data_pipeline.prepare first")
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def canonical_nodes_for(num_windows: int) -> int:
+    """Largest power of two that divides `num_windows`, at most 64 and at most num_windows / 64.
+
+    Streaming pads every canonical node's share to the same length by repeating windows; a
+    divisor of the split size needs no padding, so each epoch reads each window exactly once.
+    """
+    limit = max(1, min(MAX_CANONICAL_NODES, num_windows // MIN_WINDOWS_PER_CANONICAL_NODE))
+    nodes = 1
+    while nodes * 2 <= limit and num_windows % (nodes * 2) == 0:
+        nodes *= 2
+    return nodes
+
+
+def verify_split(split_dir: str) -> None:
+    """Check every shard of an MDS split against the sizes and checksums in its index."""
+    index_path = os.path.join(split_dir, "index.json")
+    try:
+        with open(index_path, encoding="utf-8") as f:
+            shards = json.load(f)["shards"]
+    except (OSError, ValueError, KeyError) as err:
+        raise DataError(f"cannot read shard index {index_path}: {err}") from None
+    for shard in shards:
+        # The stored file is the compressed one when the split was written with compression.
+        info = shard["zip_data"] or shard["raw_data"]
+        path = os.path.join(split_dir, info["basename"])
+        if not os.path.isfile(path):
+            raise DataError(f"shard {path} is missing")
+        size = os.path.getsize(path)
+        if size != info["bytes"]:
+            raise DataError(f"shard {path} is truncated or corrupted: {size} bytes, "
+                            f"index.json says {info['bytes']}")
+        with open(path, "rb") as f:
+            checksum = streaming.base.hashing.get_hash(SHARD_HASH, f.read())
+        if checksum != info["hashes"][SHARD_HASH]:
+            raise DataError(f"shard {path} is corrupted: {SHARD_HASH} {checksum}, index.json "
+                            f"says {info['hashes'][SHARD_HASH]}")
+
+
+def _remove_filelocks(shm_prefix: int) -> None:
+    # Streaming leaves its per-dataset lock files in the temp dir; while they exist no later
+    # dataset on this machine may take the same shared-memory prefix, so each run would push
+    # the prefixes (and the files) up by one.
+    for name in (BARRIER_FILELOCK, CACHE_FILELOCK):
+        try:
+            os.remove(os.path.join(tempfile.gettempdir(), f"{shm_prefix:06}_{name}"))
+        except FileNotFoundError:
+            pass
+
+
+class WindowDataset(streaming.StreamingDataset):
+    """A split's windows as int64 tensors of `seq_len + 1` tokens."""
+
+    def get_item(self, sample_id: int, retry: int = 7) -> torch.Tensor:
+        window = super().get_item(sample_id, retry)["tokens"]
+        return torch.from_numpy(window.astype(np.int64))
+
+
+def split_inputs_targets(windows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Collate windows into (inputs, targets): targets are the inputs shifted by one token."""
+    batch = torch.stack(windows)
+    return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+
+
+class TokenLoader:
+    """Iterates (inputs, targets) int64 tensors `[micro_batch_size, seq_len]` for this rank.
+
+    `state_dict()` / `load_state_dict()` save and restore the position of the whole job (epoch
+    and samples consumed in it), so the next batch after a restore is the one that would have
+    come next. Restore before iterating.
+    """
+
+    def __init__(self, dataset: WindowDataset, dataloader, manifest: dict, split: str,
+                 repeat: bool) -> None:
+        self.dataset = dataset
+        self.dataloader = dataloader
+        self.manifest = manifest
+        self.split = split
+        self.repeat = repeat
+
+    @property
+    def epoch(self) -> int:
+        """Streaming's epoch counter: the epoch being read (0 before the first batch)."""
+        return max(0, int(self.dataset.next_epoch) - 1)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        empty_epochs = 0
+        while True:
+            produced = False
+            for batch in self.dataloader:
+                produced = True
+                yield batch
+            if not self.repeat:
+                return
+            # A restored position at the very end of an epoch gives one empty epoch; two in a
+            # row would mean the split cannot fill a single batch.
+            empty_epochs = 0 if produced else empty_epochs + 1
+            if empty_epochs == 2:
+                raise DataError(f"split {self.split} yields no full batch for this rank")
+
+    def __len__(self) -> int:
+        """Full micro-batches per epoch for this rank."""
+        return len(self.dataset) // self.dataloader.batch_size
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.dataloader.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.dataloader.load_state_dict(state)
+
+
+def build_loader(data_dir: str, split: str, *, micro_batch_size: int, seed: int,
+                 shuffle: bool = True, num_workers: int = 2, repeat: bool = True,
+                 num_canonical_nodes: int | None = None, verify: bool = True,
+                 pin_memory: bool = False) -> TokenLoader:
+    """The loader of one split of a prepared dataset for this rank.
+
+    Rank and world size come from RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE (streaming
+    reads them; a plain single process needs none). `seed` is streaming's `shuffle_seed`.
+    `num_canonical_nodes` overrides the size-based default, e.g. for node counts that are not a
+    power of two. `verify` checksums every shard (once per node, on local rank 0) first.
+    """
+    manifest = read_manifest(data_dir)
+    split_dir = os.path.abspath(os.path.join(data_dir, split))
+    if split not in manifest["splits"] or not os.path.isdir(split_dir):
+        raise DataError(f"{data_dir} has no split {split!r} "
+                        f"(splits: {', '.join(manifest['splits'])})")
+    num_windows = manifest["splits"][split]["windows"]
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if num_windows < micro_batch_size * world_size:
+        raise DataError(f"split {split} of {data_dir} has {num_windows} windows, fewer than one "
+                        f"global batch ({micro_batch_size} x {world_size} ranks)")
+    if verify and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        verify_split(split_dir)
+    dataset = WindowDataset(
+        local=split_dir, batch_size=micro_batch_size, shuffle=shuffle, shuffle_seed=seed,
+        num_canonical_nodes=num_canonical_nodes or canonical_nodes_for(num_windows),
+        validate_hash=SHARD_HASH if manifest.get("compression") else None)
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        atexit.register(_remove_filelocks, dataset._shm_prefix_int)
+    dataloader = streaming.StreamingDataLoader(
+        dataset, batch_size=micro_batch_size, num_workers=num_workers, drop_last=True,
+        collate_fn=split_inputs_targets, pin_memory=pin_memory)
+    return TokenLoader(dataset, dataloader, manifest, split, repeat)

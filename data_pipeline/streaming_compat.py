@@ -1,0 +1,20 @@
+"""The one place mosaicml-streaming is imported.
+
+`import streaming` imports `streaming.vision` and `streaming.multimodal`, which import torchvision;
+the torchvision build that streaming would pull in does not import beside a CPU torch, and we use
+neither. Registering empty stand-ins for those two subpackages before the first import keeps the
+rest of streaming (MDS writer, StreamingDataset/DataLoader) working unchanged.
+Everything else in the project does `from data_pipeline.streaming_compat import streaming`.
+"""
+import sys
+import types
+
+for _unused in ("streaming.vision", "streaming.multimodal"):
+    sys.modules.setdefault(_unused, types.ModuleType(_unused))
+
+import streaming  # noqa: E402  (must follow the stand-ins above)
+import streaming.base.hashing  # noqa: E402,F401  (shard checksums, used by the loader)
+import streaming.base.compression  # noqa: E402,F401
+import streaming.base.util  # noqa: E402,F401
+
+__all__ = ["streaming"]
