@@ -28,26 +28,14 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
+from data_pipeline.packing import SHARD_HASH, read_manifest
 from data_pipeline.sources import DataError
 from data_pipeline.streaming_compat import streaming
-from streaming.base.constant import BARRIER_FILELOCK, CACHE_FILELOCK
 
 MAX_CANONICAL_NODES = 64
 """Upper bound on canonical nodes (streaming's usual value for its py1e shuffle)."""
 MIN_WINDOWS_PER_CANONICAL_NODE = 64
 """Windows each canonical node gets at least, so tiny splits use few canonical nodes."""
-SHARD_HASH = "xxh64"
-"""Checksum the writer records for every shard (see prepare.WindowWriter)."""
-
-
-def read_manifest(data_dir: str) -> dict:
-    """The manifest of a prepared dataset; DataError if `data_dir` holds none."""
-    path = os.path.join(data_dir, "manifest.json")
-    if not os.path.isfile(path):
-        raise DataError(f"{data_dir} is not a prepared dataset (no manifest.json); run "
-                        "python -m data_pipeline.prepare first")
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
 
 
 def canonical_nodes_for(num_windows: int) -> int:
@@ -92,7 +80,8 @@ def _remove_filelocks(shm_prefix: int) -> None:
     # Streaming leaves its per-dataset lock files in the temp dir; while they exist no later
     # dataset on this machine may take the same shared-memory prefix, so each run would push
     # the prefixes (and the files) up by one.
-    for name in (BARRIER_FILELOCK, CACHE_FILELOCK):
+    constant = streaming.base.constant
+    for name in (constant.BARRIER_FILELOCK, constant.CACHE_FILELOCK):
         try:
             os.remove(os.path.join(tempfile.gettempdir(), f"{shm_prefix:06}_{name}"))
         except FileNotFoundError:

@@ -18,10 +18,8 @@ into place at the end: an interrupted run never leaves a DIR that looks complete
 from __future__ import annotations
 
 import argparse
-import contextlib
 import fcntl
 import hashlib
-import json
 import multiprocessing
 import os
 import shutil
@@ -33,11 +31,13 @@ from typing import Iterable, Iterator
 import numpy as np
 from tqdm import tqdm
 
-from data_pipeline.sources import DataError, Source, SourceStats, parse_source
+from data_pipeline.listops import build_listops_dataset
+from data_pipeline.packing import (MANIFEST, check_uint16, dataset_fingerprint, read_manifest,
+                                   write_manifest, write_splits)
+from data_pipeline.sources import DataError, Source, parse_source
 from data_pipeline.streaming_compat import streaming
 from data_pipeline.tokenizer import UINT16_LIMIT, CharTokenizer, GPT2Tokenizer, tokenizer_from_spec
 
-MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 SPLITS = ("train", "val")
 CHUNK_MAX_DOCS = 256
@@ -69,12 +69,6 @@ def is_val_document(text: str, val_fraction: float) -> bool:
     """Deterministic split decision from the document's own text (uniform in [0, 1))."""
     digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest()
     return int.from_bytes(digest, "little") / 2.0**64 < val_fraction
-
-
-def check_uint16(max_id: int, tokenizer_name: str) -> None:
-    if max_id >= UINT16_LIMIT:
-        raise DataError(f"token id {max_id} does not fit uint16 (ids must be < {UINT16_LIMIT}); "
-                        f"the {tokenizer_name} vocabulary is too large for this format")
 
 
 def _tokenize_chunk(docs: list[str]) -> list[tuple[np.ndarray, int]]:
@@ -128,69 +122,6 @@ def _tokenized_chunks(docs: Iterable[str], tokenizer_spec: dict, val_fraction: f
             yield pending.popleft().get()
 
 
-# --- packing and writing -----------------------------------------------------------------------
-
-class WindowWriter:
-    """Packs a split's token stream into `seq_len + 1` windows and writes them as MDS samples."""
-
-    def __init__(self, out_dir: str, seq_len: int, compression: str | None,
-                 shard_size: int | str) -> None:
-        self.window = seq_len + 1
-        self.digest = hashlib.sha256()
-        self.writer = streaming.MDSWriter(out=out_dir, columns={"tokens": "ndarray:uint16"},
-                                          compression=compression, hashes=["xxh64"],
-                                          size_limit=shard_size)
-        self.carry = np.empty(0, dtype=np.uint16)
-        self.docs = self.tokens = self.windows = 0
-
-    def add(self, tokens: np.ndarray, docs: int) -> None:
-        self.docs += docs
-        self.tokens += len(tokens)
-        stream = np.concatenate([self.carry, tokens]) if len(self.carry) else tokens
-        full = len(stream) // self.window
-        windows = stream[:full * self.window].reshape(full, self.window)
-        for window in windows:
-            self.writer.write({"tokens": window})
-        self.digest.update(windows.tobytes())
-        self.windows += full
-        self.carry = stream[full * self.window:].copy()
-
-    def finish(self) -> dict:
-        self.writer.finish()
-        return {"docs": self.docs, "tokens": self.tokens, "windows": self.windows,
-                "dropped_tokens": len(self.carry), "sha256": self.digest.hexdigest()}
-
-
-def write_splits(out_dir: str, chunks: Iterable[list[tuple[np.ndarray, int]]],
-                 split_names: tuple[str, ...], seq_len: int, compression: str | None,
-                 shard_size: int | str, progress: tqdm | None = None) -> dict[str, dict]:
-    """Write each split's windows under `out_dir/<split>/`; returns the per-split counts.
-
-    `chunks` yields, per unit of work, one (tokens, documents) pair per split, in `split_names`
-    order; each split's tokens are packed in the order they arrive.
-    """
-    writers = {name: WindowWriter(os.path.join(out_dir, name), seq_len, compression, shard_size)
-               for name in split_names}
-    tokens_done = 0
-    for parts in chunks:
-        for name, (tokens, docs) in zip(split_names, parts):
-            writers[name].add(tokens, docs)
-        if progress is not None:
-            tokens_done += sum(len(tokens) for tokens, _ in parts)
-            progress.update(sum(docs for _, docs in parts))
-            elapsed = max(progress.format_dict["elapsed"], 1e-9)
-            progress.set_postfix_str(f"{tokens_done / elapsed:,.0f} tok/s", refresh=False)
-    return {name: writer.finish() for name, writer in writers.items()}
-
-
-def dataset_fingerprint(vocabulary: dict, counts: dict[str, dict]) -> str:
-    """Content hash of a dataset: its vocabulary and the windows of every split."""
-    digest = hashlib.sha256(json.dumps(vocabulary, sort_keys=True).encode("utf-8"))
-    for name in sorted(counts):
-        digest.update(f"{name}:{counts[name]['sha256']}".encode())
-    return digest.hexdigest()
-
-
 # --- the prepare entry points ------------------------------------------------------------------
 
 def _check_arguments(seq_len: int, val_fraction: float, num_proc: int, max_docs: int | None,
@@ -215,12 +146,8 @@ def _check_arguments(seq_len: int, val_fraction: float, num_proc: int, max_docs:
         raise DataError(f"--shard-size must be between 1 byte and 4gb, got {shard_size!r}")
 
 
-def read_manifest_file(out: str) -> dict | None:
-    path = os.path.join(out, MANIFEST)
-    if not os.path.isfile(path):
-        return None
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+def existing_manifest(data_dir: str) -> dict | None:
+    return read_manifest(data_dir) if os.path.isfile(os.path.join(data_dir, MANIFEST)) else None
 
 
 def settings_mismatch(manifest: dict, settings: dict) -> str | None:
@@ -312,14 +239,12 @@ def prepare(source: str, out: str, *, seq_len: int = 1024, val_fraction: float =
     try:
         start = time.perf_counter()
         if src.kind == "listops":
-            from data_pipeline.listops import build_listops_dataset
             manifest = build_listops_dataset(staging, settings, shard_size)
         else:
             manifest = _build_text_dataset(src, staging, settings, num_proc, compression,
                                            shard_size, progress_bar)
         manifest["prepare_seconds"] = round(time.perf_counter() - start, 3)
-        with open(os.path.join(staging, MANIFEST), "w", encoding="utf-8") as f:
-            json.dump(manifest, f, indent=1)
+        write_manifest(staging, manifest)
         _move_into_place(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -332,7 +257,7 @@ def _check_out_dir(out: str, settings: dict, overwrite: bool) -> dict | None:
         return None
     if not os.path.isdir(out):
         raise DataError(f"--out {out} exists and is not a directory")
-    manifest = read_manifest_file(out)
+    manifest = existing_manifest(out)
     if manifest is None:
         if os.listdir(out):
             raise DataError(f"--out {out} is a non-empty directory that holds no dataset "
@@ -372,7 +297,7 @@ def ensure_prepared(path: str, source: str, *, seq_len: int, tokenizer: str = "g
                 "seq_len": seq_len, "val_fraction": val_fraction, "max_docs": max_docs}
 
     def existing() -> dict | None:
-        manifest = read_manifest_file(path)
+        manifest = existing_manifest(path)
         if manifest is not None:
             mismatch = settings_mismatch(manifest, settings)
             if mismatch:

@@ -15,6 +15,7 @@ for _unused in ("streaming.vision", "streaming.multimodal"):
 import streaming  # noqa: E402  (must follow the stand-ins above)
 import streaming.base.hashing  # noqa: E402,F401  (shard checksums, used by the loader)
 import streaming.base.compression  # noqa: E402,F401
+import streaming.base.constant  # noqa: E402,F401
 import streaming.base.util  # noqa: E402,F401
 
 __all__ = ["streaming"]
