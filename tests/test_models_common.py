@@ -1,0 +1,116 @@
+"""Properties every model family must have, checked on each registered `*-tiny` flavor:
+the output contract, causality, and activation checkpointing that changes nothing but memory."""
+import dataclasses
+import itertools
+
+import pytest
+import torch
+
+from bench.memory import peak_allocated_bytes
+from pretrain.models import FLAVORS, build, resolve
+from pretrain.models.__main__ import flavor_rows, main
+
+TINY = sorted(name for name in FLAVORS if name.endswith("-tiny"))
+
+
+def build_tiny(flavor: str, dtype=torch.float64, **overrides):
+    torch.manual_seed(0)
+    return build(resolve(flavor, overrides)).to(dtype)
+
+
+def run(model, idx, targets=None):
+    # EBT draws its initial candidates at random: every call starts from the same seed.
+    torch.manual_seed(1234)
+    return model(idx, targets)
+
+
+def tokens(model, batch=2, seq_len=12, seed=5):
+    torch.manual_seed(seed)
+    return torch.randint(0, model.config.vocab_size, (batch, seq_len))
+
+
+def depth_field(flavor: str) -> str:
+    """The config field that sets how many steps (recurrent families) or blocks (GPT) run."""
+    names = {f.name for f in dataclasses.fields(FLAVORS[flavor])}
+    return "n_steps" if "n_steps" in names else "n_layer"
+
+
+@pytest.mark.parametrize("flavor", TINY)
+def test_output_contract(flavor):
+    model = build_tiny(flavor).train()
+    idx = tokens(model)
+    out = run(model, idx[:, :-1], idx[:, 1:])
+    assert out.loss.ndim == 0 and torch.isfinite(out.loss)
+    assert out.logits.shape == (2, 11, model.config.vocab_size)
+    for key, value in out.diagnostics.items():
+        assert key.startswith("_") or value.ndim in (0, 1), key
+        assert not value.requires_grad, key
+    assert run(model, idx).loss is None
+    assert 0 < model.num_params(non_embedding=True) < model.num_params()
+    assert model.flops_per_token(12, training=False) < model.flops_per_token(12)
+
+
+@pytest.mark.parametrize("flavor", TINY)
+def test_causality(flavor):
+    """Changing token k changes no logit at positions < k (and does change position k)."""
+    model = build_tiny(flavor).eval()
+    idx = tokens(model)
+    base = run(model, idx).logits
+    for k in (0, 5, 11):
+        changed = idx.clone()
+        changed[:, k] = (changed[:, k] + 1) % model.config.vocab_size
+        logits = run(model, changed).logits
+        assert torch.allclose(logits[:, :k], base[:, :k], atol=1e-12, rtol=0), f"token {k} leaks"
+        assert (logits[:, k] - base[:, k]).abs().max() > 1e-8
+
+
+@pytest.mark.parametrize("flavor", TINY)
+@pytest.mark.parametrize("mode", ["step", "block"])
+def test_activation_checkpointing_gives_identical_loss_and_gradients(flavor, mode):
+    results = {}
+    for checkpointing in ("off", mode):
+        model = build_tiny(flavor, activation_checkpointing=checkpointing).train()
+        idx = tokens(model, seq_len=13)
+        out = run(model, idx[:, :-1], idx[:, 1:])
+        out.loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        results[checkpointing] = out.loss.detach(), grads
+    (loss_off, grads_off), (loss_on, grads_on) = results["off"], results[mode]
+    assert grads_off and grads_off.keys() == grads_on.keys()
+    assert torch.allclose(loss_on, loss_off, atol=1e-12, rtol=0)
+    for name, grad in grads_off.items():
+        assert torch.allclose(grads_on[name], grad, atol=1e-10, rtol=1e-9), name
+
+
+@pytest.mark.parametrize("flavor", TINY)
+def test_activation_checkpointing_keeps_peak_memory_flat_in_the_number_of_steps(flavor):
+    """Where the unrolled graph grows with the number of steps (blocks for GPT), checkpointing
+    must cut both that growth and the peak; where it does not (EBT S2 builds a graph through
+    its last step only), checkpointing must keep the peak flat."""
+    field = depth_field(flavor)
+    mode = "step" if field == "n_steps" else "block"
+    peaks = {}
+    for checkpointing, depth in itertools.product(("off", mode), (2, 8)):
+        model = build_tiny(flavor, dtype=torch.float32, activation_checkpointing=checkpointing,
+                           **{field: depth}).train()
+        idx = tokens(model, batch=4, seq_len=model.config.block_size)
+        peaks[checkpointing, depth] = peak_allocated_bytes(
+            lambda: run(model, idx, torch.roll(idx, -1, dims=1)).loss.backward())
+    print(f"\n{flavor} peak MB at 2 / 8 {field}: off {peaks['off', 2] / 1e6:.2f} / "
+          f"{peaks['off', 8] / 1e6:.2f}, {mode} {peaks[mode, 2] / 1e6:.2f} / {peaks[mode, 8] / 1e6:.2f}")
+    growth_off, growth_on = peaks["off", 8] - peaks["off", 2], peaks[mode, 8] - peaks[mode, 2]
+    if growth_off > 0.25 * peaks["off", 2]:
+        assert growth_on < 0.25 * growth_off and peaks[mode, 8] < 0.75 * peaks["off", 8]
+    else:
+        assert peaks[mode, 8] < 1.1 * peaks[mode, 2]
+
+
+def test_flavor_table_lists_every_flavor(capsys):
+    main()
+    printed = capsys.readouterr().out.splitlines()
+    assert len(printed) == len(FLAVORS) + 1
+    rows = {row[0]: row for row in flavor_rows()}
+    assert set(rows) == set(FLAVORS)
+    name, family, context, total, non_embedding, flops = rows["gpt-124m"]
+    assert (family, context) == ("GPT", 1024) and abs(total / 124.4e6 - 1) < 0.01
+    assert non_embedding < total and flops > 6 * non_embedding
