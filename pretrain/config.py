@@ -1,0 +1,427 @@
+"""The run configuration: one typed tree of dataclasses, read from a YAML file plus
+`key.sub=value` command-line overrides, checked completely before any work starts.
+
+    cfg = load_config("configs/tiny/gpt.yaml", ["train.max_steps=50", "zero.stage=3"])
+    validate(cfg, world_size=2, has_gpu=False)
+
+Every mistake (unknown key, wrong type, impossible combination) raises `ConfigError` with one
+line naming the key and where it came from. `engine.deepspeed_config` turns the tree into
+DeepSpeed's JSON; `to_dict` gives the resolved form written into the run directory and into
+every checkpoint."""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+RESUME_MODES = ("auto", "never")
+"""`resume` is one of these or a path to a run directory / checkpoint."""
+
+
+class ConfigError(ValueError):
+    """A configuration mistake; the message is one line naming the key and its origin."""
+
+
+@dataclass
+class ModelSection:
+    flavor: str = "gpt-tiny"
+    """Registered model flavor (`python -m pretrain.models` lists them)."""
+    overrides: dict[str, Any] = field(default_factory=dict)
+    """Fields of the flavor's config to change, e.g. {n_steps: 4}. Unless given here,
+    `vocab_size` comes from the dataset (padded up to a multiple of 64) and `block_size` from
+    `data.seq_len`."""
+    activation_checkpointing: str | None = None
+    """"off", "step" (each unrolled recurrent/descent step) or "block" (each transformer block),
+    recomputed in backward; None keeps the flavor's setting."""
+
+
+@dataclass
+class DataSection:
+    path: str = ""
+    """Prepared dataset directory (manifest.json, train/, val/), relative to the working directory."""
+    source: str | None = None
+    """If set and `path` holds no dataset yet, prepare it from this source first (e.g.
+    "shakespeare"); None means the dataset must already exist."""
+    seq_len: int = 1024
+    """Tokens per training sequence (the dataset's windows hold seq_len + 1 tokens)."""
+    tokenizer: str = "gpt2"
+    """Tokenizer used when preparing from `source`: "gpt2" or "char"."""
+    val_fraction: float = 0.0005
+    """Fraction of documents held out for validation when preparing from `source`."""
+    micro_batch_size: int = 8
+    """Sequences per forward/backward pass on one process."""
+    num_workers: int = 2
+    """Data loader worker processes per training process."""
+
+
+@dataclass
+class OptimizerSection:
+    lr: float = 6e-4
+    """Peak learning rate (AdamW)."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW (beta1, beta2)."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay; never applied to norms, biases, embeddings and scalars such as
+    EBT's alpha (the model's `no_weight_decay_names`)."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    lr_multipliers: dict[str, float] = field(default_factory=dict)
+    """Extra learning-rate multipliers, glob pattern over parameter names -> factor, applied on
+    top of the model's own (`lr_multipliers()`, e.g. EBT's alpha). Each gets its own group."""
+
+
+@dataclass
+class ScheduleSection:
+    kind: str = "cosine"
+    """"cosine" (to min_lr), "exponential" (geometric decay to min_lr, the NRGPT paper's) or
+    "constant", each after a linear warmup."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warmup from 0 to `optimizer.lr`."""
+    min_lr: float = 0.0
+    """Learning rate reached at the end of the decay (must be > 0 for "exponential")."""
+    decay_steps: int | None = None
+    """Step at which the decay reaches `min_lr` (held afterwards); None: the end of the budget."""
+
+
+@dataclass
+class TrainSection:
+    max_steps: int | None = None
+    """Budget in optimizer steps; with `max_tokens` too, whichever comes first."""
+    max_tokens: int | None = None
+    """Budget in training tokens (rounded up to whole optimizer steps)."""
+    global_batch_size: int = 8
+    """Sequences per optimizer step over all processes; gradient accumulation makes up the
+    difference to micro_batch_size x world size, so it stays fixed when the world size changes."""
+    precision: str = "auto"
+    """"auto" (bf16 on GPU, fp32 on CPU), "fp32", "bf16" or "fp16" (GPU only)."""
+    log_interval: int = 10
+    """Optimizer steps between console lines and TensorBoard points."""
+    max_consecutive_skips: int = 3
+    """After this many consecutive updates skipped for a non-finite loss or gradient norm,
+    reload the last good checkpoint."""
+    max_reloads: int = 2
+    """Checkpoint reloads allowed for non-finite updates before the run stops with an error."""
+    peak_tflops: float | None = None
+    """Peak dense TFLOP/s of one device for MFU; None looks the device up in pretrain.flops."""
+
+
+@dataclass
+class ZeroSection:
+    stage: int = 2
+    """ZeRO stage: 0 (plain data parallel), 1 (optimizer states), 2 (+ gradients) or 3 (+ parameters)."""
+    offload_optimizer: bool = False
+    """Keep optimizer states in CPU memory and step there (DeepSpeedCPUAdam); stage >= 1."""
+    overlap_comm: bool = False
+    """Overlap gradient reduction with the backward pass."""
+    contiguous_gradients: bool = True
+    """Copy gradients into one contiguous buffer as they are produced (less fragmentation)."""
+    reduce_bucket_size: int = 500_000_000
+    """Elements reduced at once."""
+    allgather_bucket_size: int = 500_000_000
+    """Elements all-gathered at once (stages 1-2)."""
+    stage3_prefetch_bucket_size: int = 50_000_000
+    """Stage 3: elements of parameters fetched ahead of use."""
+    stage3_param_persistence_threshold: int = 100_000
+    """Stage 3: parameters smaller than this stay unpartitioned."""
+
+
+@dataclass
+class CheckpointSection:
+    interval: int = 1000
+    """Optimizer steps between checkpoints; 0 saves only at the end (and on preemption)."""
+    keep: int = 3
+    """Complete checkpoints kept; older ones are deleted."""
+
+
+@dataclass
+class EvalSection:
+    interval: int = 1000
+    """Optimizer steps between evaluations; 0 evaluates only at the end."""
+    batches: int = 20
+    """Validation micro-batches per process per evaluation."""
+    think_steps: int = 4
+    """EBT: the thinking curve reports the val loss after 1..think_steps inference steps."""
+    sample_tokens: int = 64
+    """Length of the generated text sample logged at each evaluation; 0 disables it."""
+    sample_temperature: float = 0.8
+    """Sampling temperature of the text sample."""
+
+
+@dataclass
+class FaultSection:
+    """Test-only fault injection; leave empty in real runs."""
+
+    nan_loss_steps: list[int] = field(default_factory=list)
+    """Optimizer steps whose loss is made NaN on rank `nan_loss_rank`, the first time each is run
+    in a process (so a step replayed after a checkpoint reload runs clean, like a transient fault)."""
+    nan_loss_rank: int = 0
+    """The rank that sees the injected NaN."""
+
+
+@dataclass
+class RunConfig:
+    run_name: str = ""
+    """Name of the run directory under `output_root`; empty: the config file's name."""
+    output_root: str = "checkpoints"
+    """Directory holding run directories."""
+    resume: str = "auto"
+    """"auto" (latest complete checkpoint of the run directory, if any), "never", or a path to a
+    run directory or to one checkpoint."""
+    seed: int = 1337
+    """Seed of the model initialisation, the data order and each process's RNGs."""
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    schedule: ScheduleSection = field(default_factory=ScheduleSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    zero: ZeroSection = field(default_factory=ZeroSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    fault: FaultSection = field(default_factory=FaultSection)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_root) / self.run_name
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.train.global_batch_size * self.data.seq_len
+
+    @property
+    def total_steps(self) -> int:
+        """Optimizer steps of the whole run: the smaller of the two budgets."""
+        budgets = []
+        if self.train.max_steps is not None:
+            budgets.append(self.train.max_steps)
+        if self.train.max_tokens is not None:
+            budgets.append(math.ceil(self.train.max_tokens / self.tokens_per_step))
+        return min(budgets)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading: YAML + overrides -> typed tree
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
+    """Read `path`, apply `key.sub=value` overrides (values parsed as YAML scalars) and build the
+    typed tree. Raises ConfigError naming the key and the file (or the command line)."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of keys to values")
+    from_command_line = set()
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"command line: override {item!r} is not of the form key.sub=value")
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            value = text
+        _set_dotted(raw, key.strip(), value)
+        from_command_line.add(key.strip())
+
+    def origin(key: str) -> str:
+        return "command line" if any(key == k or key.startswith(k + ".") for k in from_command_line) \
+            else str(path)
+
+    cfg = _build(RunConfig, raw, "", origin)
+    if not cfg.run_name:
+        cfg.run_name = path.stem
+    return cfg
+
+
+def _set_dotted(tree: dict, key: str, value: Any) -> None:
+    *parents, leaf = key.split(".")
+    node = tree
+    for i, name in enumerate(parents):
+        child = node.setdefault(name, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"command line: {'.'.join(parents[:i + 1])} is not a section, "
+                              f"cannot set {key}")
+        node = child
+    node[leaf] = value
+
+
+def _build(cls: type, raw: Any, prefix: str, origin) -> Any:
+    where = prefix.rstrip(".") or "the top level"
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{origin(where)}: {where} must be a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in raw:
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
+            raise ConfigError(f"{origin(prefix + str(key))}: unknown key {prefix}{key}{hint}")
+    values = {}
+    for name in names:
+        if name not in raw:
+            continue
+        key = prefix + name
+        if dataclasses.is_dataclass(hints[name]):
+            values[name] = _build(hints[name], raw[name], key + ".", origin)
+        else:
+            values[name] = _check_type(raw[name], hints[name], key, origin)
+    return cls(**values)
+
+
+def _check_type(value: Any, hint: Any, key: str, origin) -> Any:
+    """`value` converted to `hint` (int -> float only), or a ConfigError naming `key`."""
+    def fail(expected: str):
+        raise ConfigError(f"{origin(key)}: {key} must be {expected}, got {value!r}")
+
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        (inner,) = [t for t in options if t is not type(None)]
+        return _check_type(value, inner, key, origin)
+    if hint is Any:
+        return value
+    if hint is bool:
+        return value if isinstance(value, bool) else fail("true or false")
+    if hint is int:
+        return value if isinstance(value, int) and not isinstance(value, bool) else fail("an integer")
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        return fail("a number")
+    if hint is str:
+        return value if isinstance(value, str) else fail("a string")
+    container = typing.get_origin(hint)
+    if container is list:
+        (item,) = typing.get_args(hint)
+        if not isinstance(value, list):
+            fail("a list")
+        return [_check_type(v, item, f"{key}[{i}]", origin) for i, v in enumerate(value)]
+    if container is dict:
+        _, item = typing.get_args(hint)
+        if not isinstance(value, dict):
+            fail("a mapping")
+        return {str(k): _check_type(v, item, f"{key}.{k}", origin) for k, v in value.items()}
+    raise TypeError(f"unsupported config type {hint} for {key}")
+
+
+def to_dict(cfg: RunConfig) -> dict:
+    """The resolved config as plain data (what config.yaml and checkpoints hold)."""
+    return dataclasses.asdict(cfg)
+
+
+def from_dict(raw: dict, origin: str = "checkpoint") -> RunConfig:
+    """Rebuild a config written by `to_dict` (e.g. from a run directory's config.yaml)."""
+    return _build(RunConfig, raw, "", lambda key: origin)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checking: impossible values and combinations, before any work
+
+
+def resolved_precision(cfg: RunConfig, has_gpu: bool) -> str:
+    if cfg.train.precision == "auto":
+        return "bf16" if has_gpu else "fp32"
+    return cfg.train.precision
+
+
+def gradient_accumulation_steps(cfg: RunConfig, world_size: int) -> int:
+    return cfg.train.global_batch_size // (cfg.data.micro_batch_size * world_size)
+
+
+def validate(cfg: RunConfig, world_size: int, has_gpu: bool) -> None:
+    """Raise ConfigError for values and combinations that cannot run on this machine."""
+    def require(ok: bool, key: str, message: str):
+        if not ok:
+            raise ConfigError(f"{key}={get_key(cfg, key)!r}: {message}")
+
+    require(cfg.resume in RESUME_MODES or Path(cfg.resume).exists(), "resume",
+            "must be 'auto', 'never' or an existing run directory or checkpoint")
+    require("/" not in cfg.run_name and cfg.run_name not in ("", ".", ".."), "run_name",
+            "must be a plain directory name")
+    require(bool(cfg.data.path), "data.path", "is required (a prepared dataset directory)")
+    for key in ("data.seq_len", "data.micro_batch_size", "train.global_batch_size",
+                "train.log_interval", "checkpoint.keep", "eval.batches", "eval.think_steps"):
+        require(get_key(cfg, key) >= 1, key, "must be >= 1")
+    for key in ("data.num_workers", "schedule.warmup_steps", "checkpoint.interval", "eval.interval",
+                "eval.sample_tokens", "train.max_consecutive_skips", "train.max_reloads",
+                "optimizer.weight_decay", "optimizer.grad_clip", "schedule.min_lr"):
+        require(get_key(cfg, key) >= 0, key, "must be >= 0")
+    require(0.0 < cfg.data.val_fraction < 1.0, "data.val_fraction", "must be in (0, 1)")
+    require(cfg.train.max_steps is not None or cfg.train.max_tokens is not None, "train.max_steps",
+            "a budget is required: set train.max_steps or train.max_tokens")
+    for key in ("train.max_steps", "train.max_tokens", "schedule.decay_steps", "train.peak_tflops"):
+        require(get_key(cfg, key) is None or get_key(cfg, key) > 0, key, "must be > 0")
+    require(cfg.train.max_consecutive_skips >= 1, "train.max_consecutive_skips", "must be >= 1")
+
+    require(cfg.optimizer.lr > 0, "optimizer.lr", "must be > 0")
+    require(len(cfg.optimizer.betas) == 2 and all(0 <= b < 1 for b in cfg.optimizer.betas),
+            "optimizer.betas", "must be two numbers in [0, 1)")
+    require(cfg.optimizer.eps > 0, "optimizer.eps", "must be > 0")
+    require(all(m > 0 for m in cfg.optimizer.lr_multipliers.values()), "optimizer.lr_multipliers",
+            "factors must be > 0")
+    require(cfg.schedule.kind in ("cosine", "exponential", "constant"), "schedule.kind",
+            "must be 'cosine', 'exponential' or 'constant'")
+    require(cfg.schedule.min_lr <= cfg.optimizer.lr, "schedule.min_lr",
+            f"must not exceed optimizer.lr={cfg.optimizer.lr}")
+    require(cfg.schedule.kind != "exponential" or cfg.schedule.min_lr > 0, "schedule.min_lr",
+            "must be > 0 for the exponential schedule (it decays geometrically to it)")
+
+    require(cfg.train.precision in ("auto", "fp32", "bf16", "fp16"), "train.precision",
+            "must be 'auto', 'fp32', 'bf16' or 'fp16'")
+    require(has_gpu or cfg.train.precision != "fp16", "train.precision",
+            "fp16 needs a GPU (DeepSpeed refuses it on CPU); use fp32 or bf16")
+    require(cfg.zero.stage in (0, 1, 2, 3), "zero.stage", "must be 0, 1, 2 or 3")
+    require(cfg.zero.stage >= 1 or not cfg.zero.offload_optimizer, "zero.offload_optimizer",
+            "needs zero.stage >= 1")
+    per_pass = cfg.data.micro_batch_size * world_size
+    require(cfg.train.global_batch_size % per_pass == 0, "train.global_batch_size",
+            f"must be a multiple of data.micro_batch_size x world size = "
+            f"{cfg.data.micro_batch_size} x {world_size} = {per_pass}")
+    require(cfg.model.activation_checkpointing in (None, "off", "step", "block"),
+            "model.activation_checkpointing", "must be 'off', 'step' or 'block'")
+    require(0 <= cfg.fault.nan_loss_rank < world_size, "fault.nan_loss_rank",
+            f"must be a rank of this run (0..{world_size - 1})")
+
+    from pretrain.models import resolve  # the registry; imported late to keep config light
+    try:
+        model_config = resolve(cfg.model.flavor, cfg.model.overrides)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"model: {e}") from None
+    block_size = cfg.model.overrides.get("block_size")
+    require(block_size is None or block_size >= cfg.data.seq_len, "model.overrides",
+            f"block_size={block_size} is shorter than data.seq_len={cfg.data.seq_len}")
+    if not hasattr(model_config, "activation_checkpointing"):
+        require(cfg.model.activation_checkpointing in (None, "off"), "model.activation_checkpointing",
+                f"flavor {cfg.model.flavor} has no activation checkpointing")
+
+
+def get_key(node: RunConfig | dict, key: str) -> Any:
+    """The value at dotted `key` of a config or of its `to_dict` form."""
+    for name in key.split("."):
+        node = node[name] if isinstance(node, dict) else getattr(node, name)
+    return node
+
+
+def model_config(cfg: RunConfig, dataset_vocab_size: int) -> Any:
+    """The model's config: the flavor with `model.overrides`, the dataset's vocabulary (padded
+    up to a multiple of 64 for fast matmuls) and `data.seq_len` as context unless overridden."""
+    from pretrain.models import resolve
+
+    overrides = {"vocab_size": -(-dataset_vocab_size // 64) * 64, "block_size": cfg.data.seq_len}
+    if cfg.model.activation_checkpointing is not None:
+        overrides["activation_checkpointing"] = cfg.model.activation_checkpointing
+    overrides.update(cfg.model.overrides)
+    return resolve(cfg.model.flavor, overrides)

@@ -1,0 +1,92 @@
+"""Optimizer parameter groups and learning-rate schedules.
+
+Groups: parameters with weight decay (`decay`), without (`no_decay`: norms, biases, embeddings,
+scalars; the model's `no_weight_decay_names`), and one group per learning-rate multiplier (the
+model's `lr_multipliers()` such as EBT's alpha, and `optimizer.lr_multipliers` patterns).
+
+The schedule is a pure function of the optimizer step, applied by the training loop before
+every step; it has no state beyond the step count, which checkpoints hold."""
+from __future__ import annotations
+
+import fnmatch
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from pretrain.config import ConfigError, OptimizerSection, ScheduleSection
+
+
+@dataclass
+class GroupInfo:
+    name: str
+    """Label of the group (TensorBoard tag `train/lr/<name>`)."""
+    lr_mult: float
+    """Factor on the scheduled learning rate."""
+
+
+def param_groups(model: nn.Module, opt: OptimizerSection) -> tuple[list[dict], list[GroupInfo]]:
+    """Torch optimizer groups (`params`, `weight_decay`, `lr`) and their names/multipliers, in
+    the same order. A multiplier group holding both decayed and undecayed parameters is split."""
+    no_decay = model.no_weight_decay_names()
+    source = {name: (name, mult) for name, mult in model.lr_multipliers().items()}
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    for pattern, mult in opt.lr_multipliers.items():
+        matched = fnmatch.filter(names, pattern)
+        if not matched:
+            raise ConfigError(f"optimizer.lr_multipliers: pattern {pattern!r} matches no parameter")
+        source.update({name: (pattern, mult) for name in matched})
+
+    buckets: dict[tuple[str | None, bool], list[nn.Parameter]] = {}
+    multipliers: dict[str | None, float] = {None: 1.0}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        label, mult = source.get(name, (None, 1.0))
+        multipliers[label] = mult
+        buckets.setdefault((label, name not in no_decay), []).append(p)
+
+    groups, infos = [], []
+    for (label, decay), params in buckets.items():
+        if label is None:
+            group_name = "decay" if decay else "no_decay"
+        elif (label, not decay) in buckets:
+            group_name = f"{label}/{'decay' if decay else 'no_decay'}"
+        else:
+            group_name = label
+        mult = multipliers[label]
+        groups.append({"params": params, "weight_decay": opt.weight_decay if decay else 0.0,
+                       "lr": opt.lr * mult})
+        infos.append(GroupInfo(group_name, mult))
+    return groups, infos
+
+
+def build_optimizer(groups: list[dict], opt: OptimizerSection, offload: bool) -> torch.optim.Optimizer:
+    """AdamW; DeepSpeed's CPU Adam when the optimizer step is offloaded to the CPU."""
+    kwargs = dict(lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
+    if offload:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
+    return torch.optim.AdamW(groups, **kwargs)
+
+
+def lr_factor(step: int, schedule: ScheduleSection, lr: float, total_steps: int) -> float:
+    """Learning rate of optimizer step `step` (0-based) relative to the peak `lr`."""
+    if step < schedule.warmup_steps:
+        return (step + 1) / schedule.warmup_steps
+    end = schedule.decay_steps or total_steps
+    progress = min(1.0, (step - schedule.warmup_steps) / max(1, end - schedule.warmup_steps))
+    floor = schedule.min_lr / lr
+    if schedule.kind == "cosine":
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    if schedule.kind == "exponential":
+        return floor ** progress
+    return 1.0
+
+
+def set_lr(optimizer: torch.optim.Optimizer, infos: list[GroupInfo], lr: float) -> dict[str, float]:
+    """Set every group's learning rate to `lr` x its multiplier; returns name -> LR."""
+    for group, info in zip(optimizer.param_groups, infos, strict=True):
+        group["lr"] = lr * info.lr_mult
+    return {info.name: lr * info.lr_mult for info in infos}
