@@ -1,0 +1,80 @@
+"""DeepSpeed setup: the process environment, the DeepSpeed JSON generated from the run config,
+and `deepspeed.initialize` with the model, its optimizer parameter groups and ZeRO-3 leaves."""
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+
+from pretrain.config import RunConfig, gradient_accumulation_steps
+
+
+def distributed_env() -> tuple[int, int, int]:
+    """(rank, world size, local rank), filling the variables torch.distributed reads.
+
+    torchrun sets them; under `srun` (one task per device) they come from Slurm's; a plain
+    `python -m pretrain.train` is a world of one on a free local port (without these DeepSpeed
+    would go looking for MPI)."""
+    env = os.environ
+    if "RANK" not in env and "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_NTASKS"]
+        env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+    env.setdefault("RANK", "0")
+    env.setdefault("WORLD_SIZE", "1")
+    env.setdefault("LOCAL_RANK", "0")
+    env.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in env:
+        if env["WORLD_SIZE"] != "1":
+            raise RuntimeError("MASTER_PORT is not set for a multi-process run; use torchrun or "
+                               "launch/slurm.sbatch, which set it")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            env["MASTER_PORT"] = str(s.getsockname()[1])
+    return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"])
+
+
+def deepspeed_config(cfg: RunConfig, world_size: int, precision: str) -> dict:
+    """DeepSpeed's JSON, generated from the run config (the only place it is written)."""
+    zero = cfg.zero
+    zero_json = {
+        "stage": zero.stage,
+        "overlap_comm": zero.overlap_comm,
+        "contiguous_gradients": zero.contiguous_gradients,
+        "reduce_bucket_size": zero.reduce_bucket_size,
+    }
+    if zero.stage in (1, 2):
+        zero_json["allgather_bucket_size"] = zero.allgather_bucket_size
+    if zero.stage == 3:
+        zero_json["stage3_prefetch_bucket_size"] = zero.stage3_prefetch_bucket_size
+        zero_json["stage3_param_persistence_threshold"] = zero.stage3_param_persistence_threshold
+        # export goes through zero_to_fp32 on the sharded checkpoint instead
+        zero_json["stage3_gather_16bit_weights_on_model_save"] = False
+    if zero.offload_optimizer:
+        zero_json["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    return {
+        "train_batch_size": cfg.train.global_batch_size,
+        "train_micro_batch_size_per_gpu": cfg.data.micro_batch_size,
+        "gradient_accumulation_steps": gradient_accumulation_steps(cfg, world_size),
+        "gradient_clipping": cfg.optimizer.grad_clip,
+        "zero_optimization": zero_json,
+        "bf16": {"enabled": precision == "bf16", "check_grad_overflow": True},
+        "fp16": {"enabled": precision == "fp16"},
+        # the optimizer is torch's AdamW with our parameter groups (or CPU Adam when offloading)
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2**31 - 1,  # the training loop does its own logging
+        "wall_clock_breakdown": False,
+    }
+
+
+def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ds_config: dict):
+    """Wrap model and optimizer in a DeepSpeed engine. Modules that must be gathered whole under
+    ZeRO-3 (those calling autograd.grad in forward, e.g. EBT's descent) are marked as leaves."""
+    import deepspeed
+    from deepspeed.utils import set_z3_leaf_modules
+
+    leaves = model.zero3_leaf_modules()
+    if leaves and ds_config["zero_optimization"]["stage"] == 3:
+        set_z3_leaf_modules(model, leaves)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    return engine
