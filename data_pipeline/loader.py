@@ -60,20 +60,26 @@ def verify_split(split_dir: str) -> None:
     except (OSError, ValueError, KeyError) as err:
         raise DataError(f"cannot read shard index {index_path}: {err}") from None
     for shard in shards:
-        # The stored file is the compressed one when the split was written with compression.
-        info = shard["zip_data"] or shard["raw_data"]
-        path = os.path.join(split_dir, info["basename"])
-        if not os.path.isfile(path):
-            raise DataError(f"shard {path} is missing")
-        size = os.path.getsize(path)
-        if size != info["bytes"]:
-            raise DataError(f"shard {path} is truncated or corrupted: {size} bytes, "
-                            f"index.json says {info['bytes']}")
-        with open(path, "rb") as f:
-            checksum = streaming.base.hashing.get_hash(SHARD_HASH, f.read())
-        if checksum != info["hashes"][SHARD_HASH]:
-            raise DataError(f"shard {path} is corrupted: {SHARD_HASH} {checksum}, index.json "
-                            f"says {info['hashes'][SHARD_HASH]}")
+        # A compressed split stores the .zstd file; streaming adds the raw file on first read.
+        files = [info for info in (shard["raw_data"], shard["zip_data"]) if info]
+        present = [info for info in files
+                   if os.path.isfile(os.path.join(split_dir, info["basename"]))]
+        if not present:
+            raise DataError(f"shard {os.path.join(split_dir, files[-1]['basename'])} is missing")
+        for info in present:
+            _verify_file(os.path.join(split_dir, info["basename"]), info)
+
+
+def _verify_file(path: str, info: dict) -> None:
+    size = os.path.getsize(path)
+    if size != info["bytes"]:
+        raise DataError(f"shard {path} is truncated or corrupted: {size} bytes, index.json "
+                        f"says {info['bytes']}")
+    with open(path, "rb") as f:
+        checksum = streaming.base.hashing.get_hash(SHARD_HASH, f.read())
+    if checksum != info["hashes"][SHARD_HASH]:
+        raise DataError(f"shard {path} is corrupted: {SHARD_HASH} {checksum}, index.json says "
+                        f"{info['hashes'][SHARD_HASH]}")
 
 
 def _remove_filelocks(shm_prefix: int) -> None:

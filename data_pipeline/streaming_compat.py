@@ -1,15 +1,16 @@
 """The one place mosaicml-streaming is imported.
 
-`import streaming` imports `streaming.vision` and `streaming.multimodal`, which import torchvision;
-the torchvision build that streaming would pull in does not import beside a CPU torch, and we use
-neither. Registering empty stand-ins for those two subpackages before the first import keeps the
-rest of streaming (MDS writer, StreamingDataset/DataLoader) working unchanged.
+`import streaming` imports `streaming.vision` and `streaming.multimodal`, which import torchvision
+(the build streaming would pull in does not import beside a CPU torch), and `streaming.text`,
+which imports transformers' tokenizer registry (seconds of start-up). We use none of the three:
+registering empty stand-ins for them before the first import keeps the rest of streaming (MDS
+writer, StreamingDataset/DataLoader) working unchanged.
 Everything else in the project does `from data_pipeline.streaming_compat import streaming`.
 """
 import sys
 import types
 
-for _unused in ("streaming.vision", "streaming.multimodal"):
+for _unused in ("streaming.vision", "streaming.multimodal", "streaming.text"):
     sys.modules.setdefault(_unused, types.ModuleType(_unused))
 
 import streaming  # noqa: E402  (must follow the stand-ins above)

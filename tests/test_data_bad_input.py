@@ -1,0 +1,117 @@
+"""Bad input to `python -m data_pipeline.prepare`: a one-line error naming the cause, exit code 1,
+and no output directory (nor any staging leftovers) written."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from data_pipeline.prepare import main
+
+
+def write(path, text: str | bytes):
+    mode = "wb" if isinstance(text, bytes) else "w"
+    with open(path, mode) as f:
+        f.write(text)
+    return str(path)
+
+
+def jsonl(path, records) -> str:
+    return write(path, "".join((r if isinstance(r, str) else json.dumps(r)) + "\n"
+                               for r in records))
+
+
+def many_characters(folder) -> str:
+    """A text with 70,000 distinct characters: its char vocabulary cannot be stored as uint16."""
+    return write(folder / "u.txt", "".join(map(chr, range(0xE000, 0xE000 + 70_000))))
+
+
+GOOD = [{"text": f"document number {i} with a few words in it"} for i in range(40)]
+
+
+def run_cli(capsys, tmp_path, *args: str) -> tuple[int, str, str]:
+    out = str(tmp_path / "out")
+    code = main(["--out", out, "--seq-len", "8", "--val-fraction", "0", "--num-proc", "1",
+                 *args])
+    return code, capsys.readouterr().err, out
+
+
+CASES = {
+    "unknown source": (lambda d: ["--source", "imagenet"], r"unknown source 'imagenet'"),
+    "unknown source kind": (lambda d: ["--source", "csv:x.csv"], r"unknown source 'csv:x.csv'"),
+    "missing path": (lambda d: ["--source", f"jsonl:{d}/nope.jsonl"],
+                     r"jsonl:.*nope\.jsonl: no such file or directory"),
+    "glob matching nothing": (lambda d: ["--source", f"text:{d}/*.txt"], r"no files match"),
+    "empty file": (lambda d: ["--source", f"text:{write(d / 'e.txt', '')}"], r"e\.txt: empty"),
+    "no documents": (lambda d: ["--source", f"jsonl:{jsonl(d / 'n.jsonl', [{'text': ''}] * 3)}"],
+                     r"jsonl:.*n\.jsonl holds no documents"),
+    "line not JSON": (lambda d: ["--source", f"jsonl:{jsonl(d / 'c.jsonl', GOOD + ['{oops'])}"],
+                      r"c\.jsonl:41: not valid JSON"),
+    "line without text": (
+        lambda d: ["--source", f"jsonl:{jsonl(d / 'f.jsonl', GOOD[:3] + [{'body': 'x'}])}"],
+        r"f\.jsonl:4: no string field 'text'"),
+    "text field not a string": (
+        lambda d: ["--source", f"jsonl:{jsonl(d / 'g.jsonl', [{'text': 3}] + GOOD)}"],
+        r"g\.jsonl:1: no string field 'text'"),
+    "seq-len below 1": (lambda d: ["--source", "shakespeare", "--seq-len", "0"],
+                        r"--seq-len must be an integer >= 1, got 0"),
+    "val fraction out of range": (lambda d: ["--source", "shakespeare", "--val-fraction", "1.5"],
+                                  r"--val-fraction must be in \[0, 1\)"),
+    "corpus smaller than a window": (
+        lambda d: ["--source", f"jsonl:{jsonl(d / 's.jsonl', GOOD[:1])}", "--seq-len", "512"],
+        r"the train split got no complete window of 513 tokens"),
+    "unknown compression": (lambda d: ["--source", "shakespeare", "--compression", "rar"],
+                            r"unknown --compression 'rar'"),
+    "token id beyond uint16": (lambda d: ["--source", f"text:{many_characters(d)}", "--tokenizer",
+                                          "char"], r"token id 70000 does not fit uint16"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_fails_cleanly(case, tmp_path, capsys):
+    make_args, message = CASES[case]
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    code, err, out = run_cli(capsys, tmp_path, *make_args(inputs))
+    assert code == 1
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert re.search(message, lines[0]), lines[0]
+    assert sorted(os.listdir(tmp_path)) == ["inputs"]  # no output, no staging leftovers
+
+
+def test_bad_lines_can_be_skipped_and_are_counted(tmp_path, capsys):
+    corpus = jsonl(tmp_path / "c.jsonl", GOOD[:20] + ["{oops", {"body": 1}] + GOOD[20:])
+    code, _, out = run_cli(capsys, tmp_path, "--source", f"jsonl:{corpus}", "--skip-bad-lines")
+    assert code == 0
+    manifest = json.load(open(os.path.join(out, "manifest.json")))
+    assert manifest["skipped_lines"] == 2 and manifest["splits"]["train"]["docs"] == len(GOOD)
+
+
+def test_existing_different_dataset_is_refused_unless_overwrite(tmp_path, capsys):
+    corpus = jsonl(tmp_path / "c.jsonl", GOOD)
+    assert run_cli(capsys, tmp_path, "--source", f"jsonl:{corpus}")[0] == 0
+    code, err, out = run_cli(capsys, tmp_path, "--source", f"jsonl:{corpus}", "--tokenizer",
+                             "char")
+    assert code == 1 and "already holds a different dataset (tokenizer='gpt2' there" in err
+    assert json.load(open(os.path.join(out, "manifest.json")))["tokenizer"] == "gpt2"
+    code, _, _ = run_cli(capsys, tmp_path, "--source", f"jsonl:{corpus}", "--tokenizer", "char",
+                         "--overwrite")
+    assert code == 0 and json.load(open(os.path.join(out, "manifest.json")))["tokenizer"] == "char"
+    # A directory that is not a dataset is never written into, even with --overwrite.
+    write(tmp_path / "notes.txt", "mine")
+    code = main(["--source", f"jsonl:{corpus}", "--out", str(tmp_path), "--overwrite"])
+    assert code == 1 and "holds no dataset" in capsys.readouterr().err
+
+
+def test_command_line_exit_status(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "data_pipeline.prepare", "--source",
+                           f"jsonl:{tmp_path}/missing.jsonl", "--out", str(tmp_path / "o")],
+                          capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [
+        f"error: jsonl:{tmp_path}/missing.jsonl: no such file or directory"]
+    assert not os.path.exists(tmp_path / "o")
