@@ -112,8 +112,9 @@ class TokenLoader:
     """Iterates (inputs, targets) int64 tensors `[micro_batch_size, seq_len]` for this rank.
 
     `state_dict()` / `load_state_dict()` save and restore the position of the whole job (epoch
-    and samples consumed in it), so the next batch after a restore is the one that would have
-    come next. Restore before iterating.
+    and samples consumed in it, counted over all ranks), so the first batch of the next
+    `iter(loader)` is the one that came after the saved position. Restoring also works after
+    iterating, to go back to an earlier position.
     """
 
     def __init__(self, dataset: WindowDataset, dataloader, manifest: dict, split: str,
@@ -152,6 +153,10 @@ class TokenLoader:
         return self.dataloader.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        # Streaming ignores a saved position older than its own epoch counter (it takes it for a
+        # stale checkpoint), so going back to a position after iterating (e.g. reloading an
+        # earlier checkpoint mid-run) needs the counter rewound to the saved epoch first.
+        self.dataset.next_epoch = max(int(state["epoch"]), 0)
         self.dataloader.load_state_dict(state)
 
 

@@ -91,6 +91,17 @@ def test_resume_mid_epoch_at_world_size_1(tiny_dataset):
     assert all(torch.equal(a, b) for a, b in zip(again, rest))
 
 
+def test_going_back_to_an_earlier_position_after_iterating(tiny_dataset):
+    """As a trainer does when it reloads an earlier checkpoint mid-run (also across epochs)."""
+    loader = build_loader(tiny_dataset, "val", micro_batch_size=4, seed=5)
+    iterator = iter(loader)
+    take(iterator, 3)
+    state = loader.state_dict()
+    expected = take(iterator, len(loader) + 5)  # runs into the next epoch
+    loader.load_state_dict(state)
+    assert all(torch.equal(a, b) for a, b in zip(take(iter(loader), len(expected)), expected))
+
+
 def test_train_and_val_loaders_side_by_side_and_recreated(tiny_dataset):
     train = iter(build_loader(tiny_dataset, "train", micro_batch_size=2, seed=1))
     val = iter(build_loader(tiny_dataset, "val", micro_batch_size=2, seed=1, shuffle=False))
