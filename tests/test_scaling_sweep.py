@@ -6,11 +6,13 @@ import pytest
 import yaml
 
 from pretrain.scaling import sweep as sweeps
-from pretrain.scaling.__main__ import main, write_slurm_array
+from pretrain.scaling.__main__ import main
+from pretrain.scaling.launch import write_slurm_array
 from pretrain.scaling.registry import RunRecord, load_registry
 
-BASE = {"data": {"path": "checkpoints/datasets/x", "micro_batch_size": 4},
-        "train": {"max_steps": 100, "global_batch_size": 8, "lr": 1e-3},
+BASE = {"data": {"path": "checkpoints/datasets/x", "micro_batch_size": 4, "seq_len": 50},
+        "train": {"max_steps": 100, "global_batch_size": 8},
+        "optimizer": {"lr": 1e-3},
         "model": {"flavor": "gpt-tiny", "overrides": {"dropout": 0.0}}}
 
 
@@ -20,7 +22,7 @@ def _sweep_file(tmp_path, **changes):
     spec = {"name": "sw", "base_config": str(base), "output_root": str(tmp_path / "out"),
             "overrides": {"train.global_batch_size": 16},
             "families": {"gpt": {"flavor": "gpt-tiny"},
-                         "gpt_rec": {"flavor": "gpt_rec-tiny", "overrides": {"train.lr": 3e-3}}},
+                         "gpt_rec": {"flavor": "gpt_rec-tiny", "overrides": {"optimizer.lr": 3e-3}}},
             "sizes": {"w32": {"n_embd": 32}, "w64": {"n_embd": 64}},
             "tokens": {"fixed": [1e5, 2e5]}}
     spec.update(changes)
@@ -42,19 +44,22 @@ def test_expansion_is_the_full_product_sharing_everything_but_the_cell(tmp_path)
         assert c["model"]["overrides"] == {"dropout": 0.0, "n_embd": int(run.size[1:])}
         assert c["train"]["max_tokens"] == {"t100k": 100000, "t200k": 200000}[run.budget]
         assert c["train"]["max_steps"] is None  # the token budget alone ends the run
-        assert c["train"]["global_batch_size"] == 16 and c["data"] == BASE["data"]
-        assert c["train"]["lr"] == (3e-3 if run.group == "gpt_rec" else 1e-3)
+        assert c["train"]["global_batch_size"] == 16
+        assert {k: c["data"][k] for k in BASE["data"]} == BASE["data"]
+        assert c["optimizer"]["lr"] == (3e-3 if run.group == "gpt_rec" else 1e-3)
     # N is the model's own non-embedding count: it grows ~4x from width 32 to 64.
     n = {(r.group, r.size): r.non_embedding_params for r in runs}
     assert 3.5 < n[("gpt", "w64")] / n[("gpt", "w32")] < 4.5
     assert n[("gpt", "w32")] != n[("gpt_rec", "w32")]
 
 
-def test_tokens_per_parameter_budget(tmp_path):
-    sweep = sweeps.load_sweep(_sweep_file(tmp_path, tokens={"per_param": [20]}))
-    for run in sweeps.expand(sweep):
+def test_tokens_per_parameter_budget_and_warmup_share(tmp_path):
+    path = _sweep_file(tmp_path, tokens={"per_param": [20]}, warmup_fraction=0.1)
+    for run in sweeps.expand(sweeps.load_sweep(path)):
         assert run.budget == "x20"
         assert run.max_tokens == round(20 * run.non_embedding_params)
+        steps = -(-run.max_tokens // (16 * 50))  # global batch 16 x seq_len 50
+        assert run.config["schedule"]["warmup_steps"] == round(0.1 * steps) > 0
 
 
 @pytest.mark.parametrize("change, message", [
@@ -66,6 +71,7 @@ def test_tokens_per_parameter_budget(tmp_path):
     ({"base_config": "no/such.yaml"}, "trainer config not found: no/such.yaml"),
     ({"families": {"gpt": {"flavor": "gpt-huge"}}}, "unknown model flavor 'gpt-huge'"),
     ({"sizes": {"w": {"n_embdd": 8}}}, "'n_embdd' is not a field"),
+    ({"overrides": {"train.lrr": 1}}, "run sw-gpt-w32-t100k: unknown key train.lrr"),
 ])
 def test_bad_sweeps_are_one_line_errors(tmp_path, change, message, capsys):
     path = _sweep_file(tmp_path, **change)

@@ -2,16 +2,12 @@
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
 from pathlib import Path
 
-from pretrain.scaling import report, sweep as sweeps
+from pretrain.scaling import launch, report
 from pretrain.scaling.registry import load_registry
-
-REQUEUE_EXIT_CODE = 75
-"""The trainer's exit code after a preemption signal: stop the sweep, the run resumes later."""
+from pretrain.scaling.sweep import load_sweep
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,67 +42,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args) -> int:
-    sweep = sweeps.load_sweep(args.sweep)
-    runs = sweeps.expand(sweep)
-    config_paths = sweeps.write_run_configs(sweep, runs)
-    todo = [(r, p) for r, p in zip(runs, config_paths) if not sweeps.is_finished(sweep, r)]
-    print(f"sweep {sweep.name}: {len(runs)} runs, {len(runs) - len(todo)} finished, "
-          f"{len(todo)} to run; configs in {sweep.directory / 'configs'}")
-    for run in runs:
-        state = "done" if sweeps.is_finished(sweep, run) else "todo"
-        print(f"  {state}  {run.run_name:<48} N={run.non_embedding_params:<10,d} "
-              f"tokens={run.max_tokens:,d}")
+    sweep = load_sweep(args.sweep)
+    todo = launch.plan(sweep)
     if args.slurm:
-        script = write_slurm_array(sweep, [p for _, p in todo])
-        print(f"job array written: submit with\n  bash {script}" if script else "nothing to submit")
+        script = launch.write_slurm_array(sweep, [path for _, path in todo])
+        print(f"job array written; submit with: bash {script}" if script else "nothing to submit")
         return 0
     if args.dry_run:
         return 0
-    failed = []
-    for i, (run, path) in enumerate(todo, 1):
-        resuming = (sweep.directory / run.run_name).exists()
-        print(f"[{i}/{len(todo)}] {'resuming' if resuming else 'starting'} {run.run_name}",
-              flush=True)
-        rc = subprocess.run(launch_command(sweep, path), env=_launch_env(sweep)).returncode
-        if rc == REQUEUE_EXIT_CODE:
-            print(f"{run.run_name} was interrupted and checkpointed; rerun the sweep to resume")
-            return rc
-        if rc != 0 or not sweeps.is_finished(sweep, run):
-            failed.append(f"{run.run_name} (exit code {rc})")
-    if failed:
-        print("failed runs (rerun the sweep to resume them):\n  " + "\n  ".join(failed),
-              file=sys.stderr)
-        return 1
-    print(f"all runs finished; fit with: python -m pretrain.scaling fit {sweep.directory}")
-    return 0
-
-
-def launch_command(sweep: sweeps.Sweep, config_path: Path) -> list[str]:
-    """The trainer under the project's torchrun launcher (one process per slot)."""
-    return ["bash", "launch/torchrun.sh", str(config_path)]
-
-
-def _launch_env(sweep: sweeps.Sweep) -> dict[str, str]:
-    return {**os.environ, "NPROC_PER_NODE": str(sweep.nproc_per_node), "PYTHON": sys.executable}
-
-
-def write_slurm_array(sweep: sweeps.Sweep, config_paths: list[Path]) -> Path | None:
-    """Write SWEEP_DIR/slurm_runs.txt (one config per line, for launch/slurm.sbatch) and
-    SWEEP_DIR/submit.sh (the sbatch call); None when every run is finished."""
-    if not config_paths:
-        return None
-    runs_file = sweep.directory / "slurm_runs.txt"
-    runs_file.write_text("".join(f"{p}\n" for p in config_paths))
-    spec = sweep.slurm
-    array = f"0-{len(config_paths) - 1}" + (f"%{spec.max_parallel}" if spec.max_parallel else "")
-    command = ["sbatch", f"--array={array}", f"--job-name={sweep.name}", f"--nodes={spec.nodes}",
-               f"--gpus-per-node={spec.gpus_per_node}", f"--time={spec.time}", *spec.extra_args,
-               "launch/slurm.sbatch", str(runs_file)]
-    script = sweep.directory / "submit.sh"
-    script.write_text("#!/usr/bin/env bash\n# Run from the repository root.\nset -euo pipefail\n"
-                      + " ".join(command) + "\n")
-    script.chmod(0o755)
-    return script
+    rc = launch.run_locally(sweep, todo)
+    if rc == 0:
+        print(f"all runs finished; fit with: python -m pretrain.scaling fit {sweep.directory}")
+    return rc
 
 
 def _print_registry(registry) -> None:

@@ -7,7 +7,6 @@ counted by each model's own `flops_per_token` in the trainer's summary.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import os
@@ -82,6 +81,10 @@ class Sweep:
     """Dotted trainer keys applied to every run (e.g. `train.global_batch_size: 16`)."""
     output_root: str = "checkpoints/scaling"
     """Where the sweep's directory goes."""
+    warmup_fraction: float | None = None
+    """Share of each run's optimizer steps spent in linear warmup (sets
+    `schedule.warmup_steps`), so runs with different budgets share the schedule's shape; None
+    keeps the base config's warmup_steps."""
     nproc_per_node: int = 1
     """Processes per local run (`run` without --slurm): 1 runs the trainer directly, more
     runs it under torchrun."""
@@ -105,7 +108,7 @@ class RunSpec:
     non_embedding_params: int
     max_tokens: int
     config: dict[str, Any]
-    """The complete trainer config (base YAML with this cell's values merged in)."""
+    """The complete, resolved trainer config (`pretrain.config.to_dict` form)."""
 
 
 def load_sweep(path: str | Path) -> Sweep:
@@ -123,6 +126,8 @@ def load_sweep(path: str | Path) -> Sweep:
         raise ValueError(f"{path}: tokens: give exactly one of 'fixed' or 'per_param'")
     if min(budgets.fixed + budgets.per_param) <= 0:
         raise ValueError(f"{path}: tokens: budgets must be positive")
+    if sweep.warmup_fraction is not None and not 0 <= sweep.warmup_fraction < 1:
+        raise ValueError(f"{path}: warmup_fraction must be in [0, 1)")
     if sweep.nproc_per_node < 1 or sweep.slurm.nodes < 1 or sweep.slurm.gpus_per_node < 1:
         raise ValueError(f"{path}: process, node and GPU counts must be at least 1")
     if any(not sizes for sizes in [sweep.sizes] + [f.sizes for f in sweep.families.values()
@@ -187,33 +192,36 @@ def non_embedding_params(flavor: str, model_overrides: dict[str, Any]) -> int:
 
 
 def expand(sweep: Sweep) -> list[RunSpec]:
-    """Every run of the sweep, in a stable order (group, size, budget)."""
-    bases: dict[str, dict[str, Any]] = {}
+    """Every run of the sweep, in a stable order (group, size, budget). Each run's config is
+    the trainer's own `load_config(base, overrides)`, so it is checked as the trainer checks it."""
+    from pretrain.config import ConfigError, load_config, to_dict
+
     runs = []
     for group, spec in sweep.families.items():
-        config_path = spec.config or sweep.base_config
-        if config_path not in bases:
-            if not Path(config_path).is_file():
-                raise ValueError(f"sweep {sweep.name}: trainer config not found: {config_path}")
-            bases[config_path] = yaml.safe_load(Path(config_path).read_text()) or {}
+        base = spec.config or sweep.base_config
+        if not Path(base).is_file():
+            raise ValueError(f"sweep {sweep.name}: trainer config not found: {base}")
         for size, model_overrides in (spec.sizes or sweep.sizes).items():
             n_params = non_embedding_params(spec.flavor, model_overrides)
             budgets = [(f"t{_compact(t)}", int(t)) for t in sweep.tokens.fixed]
-            budgets += [(f"x{_compact(r)}", int(round(r * n_params))) for r in sweep.tokens.per_param]
+            budgets += [(f"x{_compact(r)}", round(r * n_params)) for r in sweep.tokens.per_param]
             for budget, max_tokens in budgets:
-                config = copy.deepcopy(bases[config_path])
-                for key, value in {**sweep.overrides, **spec.overrides}.items():
-                    _set_dotted(config, key, value)
                 run_name = f"{sweep.name}-{group}-{size}-{budget}"
-                cell = {"run_name": run_name, "output_root": str(sweep.directory),
-                        "model.flavor": spec.flavor, "train.max_tokens": max_tokens,
-                        "train.max_steps": None}
-                for key, value in cell.items():
-                    _set_dotted(config, key, value)
-                model_section = config.setdefault("model", {})
-                model_section["overrides"] = {**(model_section.get("overrides") or {}),
-                                              **model_overrides}
-                runs.append(RunSpec(run_name, group, size, budget, n_params, max_tokens, config))
+                cell = {**sweep.overrides, **spec.overrides, "run_name": run_name,
+                        "output_root": str(sweep.directory), "model.flavor": spec.flavor,
+                        "train.max_tokens": max_tokens, "train.max_steps": None}
+                cell.update({f"model.overrides.{k}": v for k, v in model_overrides.items()})
+                try:
+                    # JSON is YAML: the trainer parses each value back to what it was here.
+                    cfg = load_config(base, [f"{k}={json.dumps(v)}" for k, v in cell.items()])
+                except ConfigError as err:
+                    # The sweep's values reach the trainer as overrides, which it calls "command line".
+                    reason = str(err).removeprefix("command line: ")
+                    raise ValueError(f"sweep {sweep.name}, run {run_name}: {reason}") from None
+                if sweep.warmup_fraction is not None:
+                    cfg.schedule.warmup_steps = round(sweep.warmup_fraction * cfg.total_steps)
+                runs.append(RunSpec(run_name, group, size, budget, n_params, max_tokens,
+                                    to_dict(cfg)))
     names = [r.run_name for r in runs]
     if len(set(names)) != len(names):
         raise ValueError(f"sweep {sweep.name}: two cells share a run name; make labels unique")
@@ -226,17 +234,6 @@ def _compact(value: float) -> str:
         if value >= scale:
             return f"{value / scale:.3g}{suffix}"
     return f"{value:.3g}"
-
-
-def _set_dotted(config: dict[str, Any], key: str, value: Any) -> None:
-    *parents, leaf = key.split(".")
-    node = config
-    for part in parents:
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ValueError(f"cannot set {key!r}: {part!r} is not a section")
-        node = child
-    node[leaf] = value
 
 
 def write_run_configs(sweep: Sweep, runs: list[RunSpec]) -> list[Path]:
