@@ -1,0 +1,74 @@
+"""A two-point sweep of tiny real runs, end to end: launch through the project's torchrun
+launcher, skip finished runs, resume an unfinished one, list, fit (too few points: a message)."""
+import json
+
+import pytest
+import yaml
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from pretrain.scaling.__main__ import main
+from pretrain.scaling.registry import load_registry
+
+STEPS, BATCH, SEQ_LEN = 6, 8, 32
+
+
+@pytest.fixture(scope="module")
+def char_dataset(tmp_path_factory, corpus_jsonl):
+    """Character-level dataset of the shared test corpus: a small vocabulary keeps runs fast."""
+    from data_pipeline.prepare import prepare
+
+    out = str(tmp_path_factory.mktemp("datasets") / "char")
+    prepare(f"jsonl:{corpus_jsonl}", out, seq_len=SEQ_LEN, val_fraction=0.1, tokenizer="char",
+            num_proc=1)
+    return out
+
+
+def test_two_point_sweep_end_to_end(tmp_path, char_dataset, capsys):
+    base = tmp_path / "base.yaml"
+    base.write_text(yaml.safe_dump({
+        "model": {"flavor": "gpt-tiny"},
+        "data": {"path": char_dataset, "seq_len": SEQ_LEN, "micro_batch_size": BATCH,
+                 "num_workers": 0},
+        "train": {"global_batch_size": BATCH, "log_interval": 2},
+        "zero": {"stage": 0},
+        "checkpoint": {"interval": 0},
+        "eval": {"interval": 0, "batches": 2, "sample_tokens": 0}}))
+    sweep_file = tmp_path / "sweep.yaml"
+    sweep_file.write_text(yaml.safe_dump({
+        "name": "two", "base_config": str(base), "output_root": str(tmp_path / "runs"),
+        "families": {"gpt": {"flavor": "gpt-tiny"}},
+        "sizes": {"w16": {"n_embd": 16}, "w32": {"n_embd": 32}},
+        "tokens": {"fixed": [STEPS * BATCH * SEQ_LEN]}}))
+    sweep_dir = tmp_path / "runs" / "two"
+
+    assert main(["run", str(sweep_file)]) == 0
+    registry = load_registry([sweep_dir])
+    assert not registry.missing and not registry.invalid
+    records = {r.run_name: r for _, r in registry.records}
+    assert sorted(records) == ["two-gpt-w16-t1.54k", "two-gpt-w32-t1.54k"]
+    for record in records.values():
+        assert record.steps == STEPS and record.tokens_seen == STEPS * BATCH * SEQ_LEN
+        assert record.train_flops == pytest.approx(
+            record.extra["flops_per_token"] * record.tokens_seen)
+        assert record.best_val_loss is not None
+    small, large = records["two-gpt-w16-t1.54k"], records["two-gpt-w32-t1.54k"]
+    assert 2.5 < large.non_embedding_params / small.non_embedding_params < 4.5
+
+    # Finished runs are skipped; a run whose summary is gone is run again and resumes from its
+    # final checkpoint instead of training anew.
+    (sweep_dir / small.run_name / "summary.json").unlink()
+    capsys.readouterr()
+    assert main(["run", str(sweep_file)]) == 0
+    out = capsys.readouterr().out
+    assert "1 finished, 1 to run" in out and f"resuming {small.run_name}" in out
+    resumed = json.loads((sweep_dir / small.run_name / "summary.json").read_text())
+    assert resumed["steps"] == STEPS and resumed["final_train_loss"] == small.final_train_loss
+
+    assert main(["list", str(sweep_dir)]) == 0
+    assert small.run_name in capsys.readouterr().out
+    assert main(["fit", str(sweep_dir), "--out", str(tmp_path / "fit")]) == 0
+    assert "gpt L(N): too few points for L(N): 2 distinct point(s), need at least 3" in \
+        capsys.readouterr().out
+    acc = EventAccumulator(str(tmp_path / "fit" / "tb"))
+    acc.Reload()
+    assert len(acc.Scalars("loss_vs_params/gpt")) == 2
