@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -21,6 +22,8 @@ from typing import Any
 
 import yaml
 
+YAML11_EXPONENT = re.compile(r"[-+]?\d+(\.\d*)?[eE][-+]?\d+")
+"""Numbers such as 3e-4 that PyYAML (YAML 1.1) reads as strings; float fields accept them."""
 RESUME_MODES = ("auto", "never")
 """`resume` is one of these or a path to a run directory / checkpoint."""
 
@@ -299,6 +302,8 @@ def _check_type(value: Any, hint: Any, key: str, origin) -> Any:
         return value if isinstance(value, int) and not isinstance(value, bool) else fail("an integer")
     if hint is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str) and YAML11_EXPONENT.fullmatch(value.strip()):
             return float(value)
         return fail("a number")
     if hint is str:

@@ -72,11 +72,14 @@ def build_optimizer(groups: list[dict], opt: OptimizerSection, offload: bool) ->
 
 
 def lr_factor(step: int, schedule: ScheduleSection, lr: float, total_steps: int) -> float:
-    """Learning rate of optimizer step `step` (0-based) relative to the peak `lr`."""
-    if step < schedule.warmup_steps:
-        return (step + 1) / schedule.warmup_steps
+    """Learning rate of optimizer step `step` (0-based) relative to the peak `lr`: linear warmup
+    over the first `warmup_steps` updates, then the decay, which reaches `min_lr` at update
+    `decay_steps` (default: the last one) and holds it."""
+    update = step + 1
+    if update <= schedule.warmup_steps:
+        return update / schedule.warmup_steps
     end = schedule.decay_steps or total_steps
-    progress = min(1.0, (step - schedule.warmup_steps) / max(1, end - schedule.warmup_steps))
+    progress = min(1.0, (update - schedule.warmup_steps) / max(1, end - schedule.warmup_steps))
     floor = schedule.min_lr / lr
     if schedule.kind == "cosine":
         return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
