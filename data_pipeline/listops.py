@@ -143,9 +143,11 @@ def build_listops_dataset(staging: str, settings: dict, shard_size) -> dict:
 
     def chunks():
         for position, name in enumerate(SPLITS):
-            ids = [i for text in texts[name] for i in (*tokenizer.encode(text), tokenizer.eot_id)]
+            eot = np.array([tokenizer.eot_id])
+            ids = np.concatenate([piece for text in texts[name]
+                                  for piece in (tokenizer.encode(text), eot)])
             parts = [empty] * len(SPLITS)
-            parts[position] = (np.asarray(ids, dtype=np.uint16), len(texts[name]))
+            parts[position] = (ids.astype(np.uint16), len(texts[name]))
             yield parts
 
     counts = write_splits(staging, chunks(), SPLITS, settings["seq_len"],
@@ -179,7 +181,7 @@ def listops_test_examples(data_dir: str, split: str = "test") -> list[tuple[list
     examples = []
     with open(os.path.join(data_dir, "examples", f"{split}.txt"), encoding="utf-8") as f:
         for line in f:
-            ids = tokenizer.encode(line) + [tokenizer.eot_id]
+            ids = [*tokenizer.encode(line).tolist(), tokenizer.eot_id]
             cut = ids.index(manifest["equals_id"]) + 1
             examples.append((ids[:cut], ids[cut:]))
     return examples

@@ -32,6 +32,10 @@ from data_pipeline.packing import SHARD_HASH, read_manifest
 from data_pipeline.sources import DataError
 from data_pipeline.streaming_compat import streaming
 
+READY_AHEAD = 4096
+"""Streaming's `predownload`: how many samples its background threads run ahead of the reader.
+Its default (8 micro-batches) caps a worker at about that many samples per 7 ms polling tick,
+a few thousand windows per second; local shards cost nothing to "download" ahead."""
 MAX_CANONICAL_NODES = 64
 """Upper bound on canonical nodes (streaming's usual value for its py1e shuffle)."""
 MIN_WINDOWS_PER_CANONICAL_NODE = 64
@@ -185,6 +189,7 @@ def build_loader(data_dir: str, split: str, *, micro_batch_size: int, seed: int,
         verify_split(split_dir)
     dataset = WindowDataset(
         local=split_dir, batch_size=micro_batch_size, shuffle=shuffle, shuffle_seed=seed,
+        predownload=max(READY_AHEAD, 8 * micro_batch_size),
         num_canonical_nodes=num_canonical_nodes or canonical_nodes_for(num_windows),
         validate_hash=SHARD_HASH if manifest.get("compression") else None)
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:

@@ -23,6 +23,7 @@ import hashlib
 import multiprocessing
 import os
 import shutil
+import socket
 import sys
 import time
 from collections import deque
@@ -36,7 +37,7 @@ from data_pipeline.packing import (MANIFEST, check_uint16, dataset_fingerprint, 
                                    write_manifest, write_splits)
 from data_pipeline.sources import DataError, Source, parse_source
 from data_pipeline.streaming_compat import streaming
-from data_pipeline.tokenizer import UINT16_LIMIT, CharTokenizer, GPT2Tokenizer, tokenizer_from_spec
+from data_pipeline.tokenizer import CharTokenizer, GPT2Tokenizer, tokenizer_from_spec
 
 FORMAT_VERSION = 1
 SPLITS = ("train", "val")
@@ -74,19 +75,17 @@ def is_val_document(text: str, val_fraction: float) -> bool:
 def _tokenize_chunk(docs: list[str]) -> list[tuple[np.ndarray, int]]:
     """Token ids (each document followed by EOT) and document count, per split."""
     tokenizer, val_fraction = _worker["tokenizer"], _worker["val_fraction"]
-    ids: list[list[int]] = [[] for _ in SPLITS]
-    counts = [0] * len(SPLITS)
+    eot = np.array([tokenizer.eot_id])
+    pieces: list[list[np.ndarray]] = [[] for _ in SPLITS]
     for doc in docs:
         split = int(is_val_document(doc, val_fraction)) if val_fraction > 0 else 0
-        ids[split].extend(tokenizer.encode(doc))
-        ids[split].append(tokenizer.eot_id)
-        counts[split] += 1
+        pieces[split] += (tokenizer.encode(doc), eot)
     out = []
-    for split_ids, count in zip(ids, counts):
-        array = np.asarray(split_ids, dtype=np.int64)
-        if array.size:
-            check_uint16(int(array.max()), type(tokenizer).__name__)
-        out.append((array.astype(np.uint16), count))
+    for split_pieces in pieces:
+        ids = np.concatenate(split_pieces) if split_pieces else np.empty(0, dtype=np.int64)
+        if ids.size:
+            check_uint16(int(ids.max()), type(tokenizer).__name__)
+        out.append((ids.astype(np.uint16), len(split_pieces) // 2))
     return out
 
 
@@ -169,8 +168,7 @@ def _char_vocabulary(source: Source, max_docs: int | None) -> list[str]:
     chars: set[str] = set()
     for doc in _limit(source.documents(), max_docs):
         chars.update(doc)
-    if len(chars) + 1 > UINT16_LIMIT:
-        check_uint16(len(chars), "char")
+    check_uint16(len(chars), "char")  # the end-of-document id comes after the characters
     return sorted(chars)
 
 
@@ -233,8 +231,8 @@ def prepare(source: str, out: str, *, seq_len: int = 1024, val_fraction: float =
 
     parent, name = os.path.split(out)
     os.makedirs(parent, exist_ok=True)
-    staging = os.path.join(parent, f".{name}.incomplete-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
+    _remove_abandoned_staging(parent, name)
+    staging = os.path.join(parent, f".{name}.incomplete-{socket.gethostname()}-{os.getpid()}")
     os.makedirs(staging)
     try:
         start = time.perf_counter()
@@ -270,6 +268,21 @@ def _check_out_dir(out: str, settings: dict, overwrite: bool) -> dict | None:
         raise DataError(f"--out {out} already holds a different dataset ({mismatch}); "
                         "pass --overwrite to replace it")
     return manifest
+
+
+def _remove_abandoned_staging(parent: str, name: str) -> None:
+    """Delete staging directories of killed runs on this host (they can hold a whole corpus)."""
+    prefix = f".{name}.incomplete-{socket.gethostname()}-"
+    for entry in os.listdir(parent):
+        pid = entry[len(prefix):].removesuffix(".old")
+        if not entry.startswith(prefix) or not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+        except PermissionError:
+            pass  # alive, another user's
 
 
 def _move_into_place(staging: str, out: str) -> None:

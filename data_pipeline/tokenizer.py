@@ -1,8 +1,8 @@
 """Tokenizers: GPT-2 BPE (tiktoken, offline), character-level, and the ListOps word vocabulary.
 
-Every tokenizer maps a document to token ids with `encode_ordinary` semantics: text that looks
-like a special token (e.g. "<|endoftext|>" inside a web page) is encoded as ordinary text, and
-the end-of-document id is appended by the pipeline, never produced by the text itself.
+Every tokenizer maps a document to an array of token ids with `encode_ordinary` semantics: text
+that looks like a special token (e.g. "<|endoftext|>" inside a web page) is encoded as ordinary
+text, and the end-of-document id is appended by the pipeline, never produced by the text itself.
 """
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import functools
 import importlib.util
 import os
 
+import numpy as np
 import tiktoken
 from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 from tiktoken_ext.openai_public import ENDOFTEXT, r50k_pat_str
@@ -57,16 +58,22 @@ class CharTokenizer:
 
     def __init__(self, chars: list[str]):
         self.chars = list(chars)
-        self.index = {c: i for i, c in enumerate(self.chars)}
         self.eot_id = len(self.chars)
         self.vocab_size = len(self.chars) + 1
+        # Code point -> id table, so encoding is one vectorized lookup (-1: not in the alphabet).
+        code_points = [ord(c) for c in self.chars]
+        self.lookup = np.full(max(code_points, default=0) + 1, -1, dtype=np.int64)
+        self.lookup[code_points] = np.arange(len(code_points))
 
-    def encode(self, text: str) -> list[int]:
-        index = self.index
-        try:
-            return [index[c] for c in text]
-        except KeyError as err:
-            raise ValueError(f"character {err.args[0]!r} is not in the char vocabulary") from None
+    def encode(self, text: str) -> np.ndarray:
+        # surrogatepass: JSON escapes can put lone surrogates in a str; they are characters too.
+        code_points = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+        ids = self.lookup[np.minimum(code_points, len(self.lookup) - 1)]
+        unknown = (ids < 0) | (code_points >= len(self.lookup))
+        if unknown.any():
+            position = int(np.argmax(unknown))
+            raise ValueError(f"character {text[position]!r} is not in the char vocabulary")
+        return ids
 
     def decode(self, ids) -> str:
         return "".join(ENDOFTEXT if i == self.eot_id else self.chars[i] for i in ids)
@@ -81,9 +88,9 @@ class WordTokenizer:
         self.eot_id = self.index[eot]
         self.vocab_size = len(self.vocab)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str) -> np.ndarray:
         try:
-            return [self.index[w] for w in text.split()]
+            return np.array([self.index[w] for w in text.split()], dtype=np.int64)
         except KeyError as err:
             raise ValueError(f"word {err.args[0]!r} is not in the vocabulary") from None
 
@@ -100,8 +107,9 @@ class GPT2Tokenizer:
     def __init__(self):
         self.encoding = gpt2_encoding()
 
-    def encode(self, text: str) -> list[int]:
-        return self.encoding.encode_ordinary(text)
+    def encode(self, text: str) -> np.ndarray:
+        # Same ids as encode_ordinary, without building a Python list of ints.
+        return self.encoding.encode_to_numpy(text, disallowed_special=())
 
     def decode(self, ids) -> str:
         return self.encoding.decode(list(ids))

@@ -4,6 +4,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import socket
 
 import numpy as np
 import pytest
@@ -201,6 +202,19 @@ def test_failure_midway_leaves_no_output(tmp_path, corpus_docs):
         prepare(f"jsonl:{corpus}", str(out), seq_len=16, val_fraction=0.1, overwrite=True)
     assert manifest_of(str(out)) == good
     assert sorted(os.listdir(tmp_path)) == ["docs.jsonl", "out"]
+
+
+def test_staging_of_a_killed_run_is_removed(tmp_path, corpus_jsonl):
+    dead = multiprocessing.get_context("fork").Process(target=os._exit, args=(0,))
+    dead.start()
+    dead.join()
+    abandoned = tmp_path / f".ds.incomplete-{socket.gethostname()}-{dead.pid}"
+    (abandoned / "train").mkdir(parents=True)
+    alive = tmp_path / f".ds.incomplete-{socket.gethostname()}-{os.getpid()}.old"
+    alive.mkdir()  # a live process's: kept
+    prepare(f"jsonl:{corpus_jsonl}", str(tmp_path / "ds"), seq_len=16, val_fraction=0.1,
+            max_docs=100)
+    assert sorted(os.listdir(tmp_path)) == sorted([alive.name, "ds"])
 
 
 def _ensure_in_child(path, corpus, start, results):

@@ -1,0 +1,184 @@
+"""Data pipeline throughput, measured side by side on the same cores in one run.
+
+    python -m bench.data [--copies 4] [--rounds 3] [--num-proc 2] [--memory]
+
+Corpus: the bundled Shakespeare scenes, `--copies` times over (real text, ~5 MB per copy),
+written as JSON Lines to a temporary directory. Each round measures, one after the other:
+  raw      tiktoken `encode_ordinary_batch(num_threads=num_proc)` on the documents in memory
+           (the reference), and `encode_to_numpy` (what prepare calls) in as many threads
+  prepare  `prepare("jsonl:...")` end to end (read, hash split, tokenize in num_proc processes,
+           pack, write MDS shards, manifest) at seq_len 1024 and at seq_len 64
+  loader   `build_loader` batches (2 workers) at micro-batch 4 of seq_len 64 and 1024
+  train    one training step (forward, backward, AdamW) of `gpt-tiny` at micro-batch 4 x 64,
+           with the GPT-2 vocabulary and with a character vocabulary (what tiny CPU runs do)
+and the medians over the rounds give the ratios, so a noisy neighbour hurts all alike.
+Targets: prepare/raw >= 0.8 (at seq_len 1024); loader >= 10x the fastest tiny training step.
+`--memory` instead runs the command-line prepare on 1, 10 and 40 copies of the corpus in child
+processes and prints their peak resident memory. The MDS writer buffers one shard before writing
+it, so memory is bounded by the shard size, not the corpus: with 16 MB shards here, the peak must
+stop growing once the corpus fills a shard (10 copies already hold ~30 MB of tokens).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from data_pipeline.loader import build_loader
+from data_pipeline.prepare import prepare
+from data_pipeline.sources import parse_source
+from data_pipeline.tokenizer import gpt2_encoding
+
+LOADER_BATCHES = 400
+TRAIN_STEPS = 20
+
+
+def write_corpus(directory: str, copies: int) -> tuple[str, list[str]]:
+    scenes = list(parse_source("shakespeare").documents())
+    docs = [f"{scene}\n\n[{copy}]" for copy in range(copies) for scene in scenes]
+    path = os.path.join(directory, "corpus.jsonl")
+    with open(path, "w", encoding="utf-8") as f:
+        for doc in docs:
+            f.write(json.dumps({"text": doc}) + "\n")
+    return path, docs
+
+
+def raw_tokens_per_s(docs: list[str], threads: int) -> float:
+    start = time.perf_counter()
+    tokens = sum(map(len, gpt2_encoding().encode_ordinary_batch(docs, num_threads=threads)))
+    return (tokens + len(docs)) / (time.perf_counter() - start)  # + one EOT per document
+
+
+def raw_numpy_tokens_per_s(docs: list[str], threads: int) -> float:
+    encode = gpt2_encoding().encode_to_numpy
+    start = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        tokens = sum(len(ids) for ids in pool.map(
+            lambda doc: encode(doc, disallowed_special=()), docs))
+    return (tokens + len(docs)) / (time.perf_counter() - start)
+
+
+def prepare_tokens_per_s(corpus: str, out: str, seq_len: int, num_proc: int) -> float:
+    start = time.perf_counter()
+    manifest = prepare(f"jsonl:{corpus}", out, seq_len=seq_len, num_proc=num_proc,
+                       overwrite=True, progress_bar=False)
+    elapsed = time.perf_counter() - start
+    return sum(split["tokens"] for split in manifest["splits"].values()) / elapsed
+
+
+def loader_tokens_per_s(data_dir: str, micro_batch_size: int) -> float:
+    loader = build_loader(data_dir, "train", micro_batch_size=micro_batch_size, seed=0,
+                          num_workers=2)
+    batches = iter(loader)
+    next(batches)  # worker start-up is paid once per epoch, not per batch
+    start = time.perf_counter()
+    tokens = 0
+    for _ in range(LOADER_BATCHES):
+        inputs, _ = next(batches)
+        tokens += inputs.numel()
+    return tokens / (time.perf_counter() - start)
+
+
+def train_tokens_per_s(vocab_size: int, micro_batch_size: int, seq_len: int) -> float:
+    from pretrain.models import build, resolve
+
+    torch.manual_seed(0)
+    model = build(resolve("gpt-tiny", {"vocab_size": vocab_size, "block_size": seq_len}))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    inputs = torch.randint(vocab_size, (micro_batch_size, seq_len))
+
+    def step():
+        loss = model(inputs, targets=inputs).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()  # first-call allocations
+    start = time.perf_counter()
+    for _ in range(TRAIN_STEPS):
+        step()
+    return TRAIN_STEPS * inputs.numel() / (time.perf_counter() - start)
+
+
+PEAK_RSS_OF_PREPARE = """
+import sys
+from data_pipeline.prepare import main
+code = main(sys.argv[1:])
+# VmHWM: this process's peak resident memory (Linux), in kB; prepare's workers hold one chunk each.
+print(next(line.split()[1] for line in open("/proc/self/status") if line.startswith("VmHWM")))
+sys.exit(code)
+"""
+
+
+def peak_memory(copies_list: list[int], num_proc: int) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        for copies in copies_list:
+            corpus, docs = write_corpus(tmp, copies)
+            megabytes = os.path.getsize(corpus) / 1e6
+            done = subprocess.run(
+                [sys.executable, "-c", PEAK_RSS_OF_PREPARE, "--source", f"jsonl:{corpus}",
+                 "--out", os.path.join(tmp, f"ds{copies}"), "--num-proc", str(num_proc),
+                 "--shard-size", "16mb"], check=True, capture_output=True, text=True)
+            peak_kb = int(done.stdout.split()[-1])
+            print(f"prepare of {megabytes:,.0f} MB ({len(docs)} documents): peak RSS "
+                  f"{peak_kb / 1024:,.0f} MiB")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--copies", type=int, default=4, help="copies of the corpus (~5 MB each)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--num-proc", type=int, default=2)
+    parser.add_argument("--memory", action="store_true",
+                        help="measure peak memory of prepare on 1, 10 and 40 copies instead")
+    args = parser.parse_args()
+    if args.memory:
+        peak_memory([1, 10, 40], args.num_proc)
+        return
+    torch.set_num_threads(args.num_proc)
+    with tempfile.TemporaryDirectory() as tmp:
+        corpus, docs = write_corpus(tmp, args.copies)
+        megabytes = sum(len(d.encode("utf-8")) for d in docs) / 1e6
+        print(f"corpus: {len(docs)} documents, {megabytes:.1f} MB; {os.cpu_count()} CPUs, "
+              f"num_proc {args.num_proc}, {args.rounds} rounds (median reported)")
+        measurements = {
+            "raw encode_ordinary_batch": lambda: raw_tokens_per_s(docs, args.num_proc),
+            "raw encode_to_numpy": lambda: raw_numpy_tokens_per_s(docs, args.num_proc),
+            "prepare seq_len 1024": lambda: prepare_tokens_per_s(
+                corpus, os.path.join(tmp, "ds1024"), 1024, args.num_proc),
+            "prepare seq_len 64": lambda: prepare_tokens_per_s(
+                corpus, os.path.join(tmp, "ds64"), 64, args.num_proc),
+            "loader 4 x 1024": lambda: loader_tokens_per_s(os.path.join(tmp, "ds1024"), 4),
+            "loader 4 x 64": lambda: loader_tokens_per_s(os.path.join(tmp, "ds64"), 4),
+            "train gpt-tiny 4 x 64, GPT-2 vocab": lambda: train_tokens_per_s(50304, 4, 64),
+            "train gpt-tiny 4 x 64, char vocab": lambda: train_tokens_per_s(128, 4, 64),
+        }
+        results: dict[str, list[float]] = {name: [] for name in measurements}
+        for _ in range(args.rounds):
+            for name, measure in measurements.items():
+                results[name].append(measure())
+    median = {name: statistics.median(values) for name, values in results.items()}
+    for name, value in median.items():
+        spread = f"{min(results[name]):,.0f}-{max(results[name]):,.0f}"
+        print(f"{name:40s} {value:>12,.0f} tokens/s   (range {spread})")
+    raw = median["raw encode_ordinary_batch"]
+    fastest_train = max(median["train gpt-tiny 4 x 64, GPT-2 vocab"],
+                        median["train gpt-tiny 4 x 64, char vocab"])
+    print(f"prepare/raw at seq_len 1024: {median['prepare seq_len 1024'] / raw:.2f} "
+          f"(target >= 0.8); at seq_len 64: {median['prepare seq_len 64'] / raw:.2f}; "
+          f"against raw encode_to_numpy: "
+          f"{median['prepare seq_len 1024'] / median['raw encode_to_numpy']:.2f}")
+    print(f"loader 4 x 64 / fastest tiny training step: "
+          f"{median['loader 4 x 64'] / fastest_train:.1f}x (target >= 10x)")
+
+
+if __name__ == "__main__":
+    main()
