@@ -128,17 +128,17 @@ class TokenLoader:
         self.manifest = manifest
         self.split = split
         self.repeat = repeat
-
-    @property
-    def epoch(self) -> int:
-        """Streaming's epoch counter: the epoch being read (0 before the first batch)."""
-        return max(0, int(self.dataset.next_epoch) - 1)
+        self.epoch = 0
+        """Streaming's epoch number of the last batch yielded."""
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         empty_epochs = 0
         while True:
             produced = False
             for batch in self.dataloader:
+                if not produced:
+                    # Streaming advanced its shared epoch counter when this epoch started.
+                    self.epoch = int(self.dataset.next_epoch) - 1
                 produced = True
                 yield batch
             if not self.repeat:

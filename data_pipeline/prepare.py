@@ -333,9 +333,15 @@ def ensure_prepared(path: str, source: str, *, seq_len: int, tokenizer: str = "g
 
 # --- command line --------------------------------------------------------------------------------
 
+class _ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str):
+        # One line, like every other bad-input error (argparse would add the usage first).
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m data_pipeline.prepare",
-                                     description=__doc__.split("\n\n")[0])
+    parser = _ArgumentParser(prog="python -m data_pipeline.prepare",
+                             description=__doc__.split("\n\n")[0])
     parser.add_argument("--source", required=True,
                         help="openwebtext | shakespeare | listops | hf:NAME[:CONFIG] | "
                              "text:PATH | jsonl:PATH | parquet:PATH (file, directory or glob)")

@@ -153,10 +153,10 @@ class Source:
                 raise DataError(f"{self.spec} has no field {self.text_field!r} "
                                 f"(fields: {', '.join(sorted(batch))}); use --text-field")
             for text in batch[self.text_field]:
-                if not isinstance(text, str):
+                if text is not None and not isinstance(text, str):
                     raise DataError(f"{self.spec}: field {self.text_field!r} holds "
                                     f"{type(text).__name__}, not text")
-                yield text
+                yield text or ""  # a null text is an empty document
 
 
 def resolve_files(kind: str, path: str) -> list[str]:

@@ -120,13 +120,16 @@ def test_datasets_streaming_sources_match_jsonl(tiny_dataset, corpus_docs, tmp_p
     folder = tmp_path / "hub_like"
     folder.mkdir()
     half = len(corpus_docs) // 2
-    pq.write_table(pa.table({"text": corpus_docs[:half]}), folder / "part-0.parquet")
+    pq.write_table(pa.table({"text": corpus_docs[:half] + [None]}), folder / "part-0.parquet")
     pq.write_table(pa.table({"text": corpus_docs[half:]}), folder / "part-1.parquet")
     fingerprint = manifest_of(tiny_dataset)["fingerprint"]
     from_parquet = prepare(f"parquet:{folder}", str(tmp_path / "pq"), num_proc=2, **TINY_SETTINGS)
     from_hub_path = prepare(f"hf:{folder}", str(tmp_path / "hf"), num_proc=2, **TINY_SETTINGS)
     assert from_parquet["fingerprint"] == fingerprint
     assert from_hub_path["fingerprint"] == fingerprint
+    assert from_hub_path["empty_docs"] == 1  # the null text
+    with pytest.raises(DataError, match=r"has no field 'body' \(fields: text\)"):
+        prepare(f"parquet:{folder}", str(tmp_path / "body"), text_field="body", **TINY_SETTINGS)
 
 
 def test_text_source_units_and_invalid_utf8(tmp_path):
