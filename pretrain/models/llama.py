@@ -1,0 +1,243 @@
+"""The Llama-style backbone of the EBT paper (pre-RMSNorm, SwiGLU MLP, rotary positions, no
+biases) and Transformer++, the plain causal LM on it: the paper's baseline (spec 3.4).
+
+`Block` is shared with EBT (`ebt.py`), which runs the same weights over two streams by passing
+its own attention function."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from pretrain.models.blocks import CHECKPOINTING_MODES, check_choice, check_positive, maybe_checkpoint
+from pretrain.models.common import LanguageModel, ModelOutput
+from pretrain.models.registry import register_family, register_flavor
+
+Rope = tuple[torch.Tensor, torch.Tensor]
+"""(cos, sin), each [T, head_dim]: the rotary tables for T positions."""
+
+
+@dataclass
+class LlamaConfig:
+    """Backbone fields shared by Transformer++ and EBT."""
+
+    vocab_size: int = 50304
+    """Vocabulary size (the trainer sets it from the data manifest, padded to a multiple of 64)."""
+    block_size: int = 1024
+    """Context length: the longest sequence the model accepts."""
+    n_layer: int = 12
+    """Number of transformer blocks."""
+    n_head: int = 12
+    """Number of attention heads."""
+    n_embd: int = 768
+    """Model width D."""
+    mlp_ratio: float = 1.0
+    """SwiGLU hidden width as a multiple of D. The released EBT code uses 1 (hidden = D) for EBT
+    and for its Transformer++ baseline, which gives the paper's ~126M at 12L/768; Llama uses 8/3."""
+    rope_theta: float = 10000.0
+    """Base of the rotary position frequencies."""
+    norm_eps: float = 1e-5
+    """Epsilon of RMSNorm."""
+    dropout: float = 0.0
+    """Dropout probability on the attention and MLP outputs (residual branches)."""
+    activation_checkpointing: str = "off"
+    """"off", "block" (recompute each transformer block in backward) or "step" (EBT: each
+    descent step; Transformer++ has no steps and treats it as "block"). Non-reentrant."""
+    init_std: float = 0.02
+    """Standard deviation of the normal initialisation of linear and embedding weights; the
+    residual output projections get init_std / sqrt(2 n_layer)."""
+
+    def __post_init__(self):
+        check_positive(self, "vocab_size", "block_size", "n_layer", "n_head", "n_embd", "mlp_ratio",
+                       "rope_theta", "norm_eps", "init_std")
+        check_choice(self, "activation_checkpointing", CHECKPOINTING_MODES)
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"{type(self).__name__}.dropout must be in [0, 1), got {self.dropout!r}")
+        if self.n_embd % self.n_head or (self.n_embd // self.n_head) % 2:
+            raise ValueError(f"{type(self).__name__}.n_head={self.n_head} must divide n_embd="
+                             f"{self.n_embd} into an even head size (rotary pairs)")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def mlp_hidden(self) -> int:
+        return round(self.mlp_ratio * self.n_embd)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # torch's kernel accumulates in float32 for bf16 inputs and has a double backward
+        return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)
+
+
+def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> Rope:
+    """cos and sin [len(positions), head_dim] of the rotary angles at `positions` (half-split
+    layout: channel c pairs with channel c + head_dim / 2). The angles are computed in float32
+    (float64 for float64 models) before casting, so bf16 models keep exact positions."""
+    wide = torch.promote_types(dtype, torch.float32)
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=positions.device, dtype=wide) / head_dim)
+    angles = positions.to(wide)[:, None] * inv_freq[None, :]
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, rope: Rope) -> torch.Tensor:
+    """Rotate [B, H, T, head_dim] queries or keys by their positions' angles."""
+    cos, sin = rope
+    half = x.size(-1) // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Ordinary causal attention through SDPA (flash / memory-efficient kernels on GPU)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.n_head = config.n_head
+        D = config.n_embd
+        self.wq = nn.Linear(D, D, bias=False)
+        self.wk = nn.Linear(D, D, bias=False)
+        self.wv = nn.Linear(D, D, bias=False)
+        self.wo = nn.Linear(D, D, bias=False)
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, D = x.shape
+        return x.view(B, T, self.n_head, D // self.n_head).transpose(1, 2)
+
+    def keys_values(self, h: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated keys and values [B, H, T, head_dim] of the normalised input h."""
+        return apply_rotary(self._heads(self.wk(h)), rope), self._heads(self.wv(h))
+
+    def forward(self, h: torch.Tensor, rope: Rope, attend: Callable) -> tuple[torch.Tensor, ...]:
+        """(output [B, T, D], keys, values): `attend(q, k, v)` mixes the heads."""
+        q = apply_rotary(self._heads(self.wq(h)), rope)
+        k, v = self.keys_values(h, rope)
+        mixed = attend(q, k, v)
+        B, H, T, hd = mixed.shape
+        return self.wo(mixed.transpose(1, 2).reshape(B, T, H * hd)), k, v
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.w1 = nn.Linear(config.n_embd, config.mlp_hidden, bias=False)  # gate
+        self.w3 = nn.Linear(config.n_embd, config.mlp_hidden, bias=False)  # up
+        self.w2 = nn.Linear(config.mlp_hidden, config.n_embd, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    """x + Attn(RMSNorm x), then + SwiGLU(RMSNorm x)."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(config.n_embd, config.norm_eps)
+        self.attention = Attention(config)
+        self.ffn_norm = RMSNorm(config.n_embd, config.norm_eps)
+        self.feed_forward = SwiGLU(config)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor, rope: Rope,
+                attend: Callable = causal_attention) -> tuple[torch.Tensor, ...]:
+        """(new residual stream, this layer's rotated keys, values); EBT reads the keys and
+        values of its observed stream and passes its two-stream attention as `attend`."""
+        mixed, k, v = self.attention(self.attention_norm(x), rope, attend)
+        x = x + self.dropout(mixed)
+        x = x + self.dropout(self.feed_forward(self.ffn_norm(x)))
+        return x, k, v
+
+
+def init_weights(model: nn.Module, config: LlamaConfig) -> None:
+    """N(0, init_std) for every linear and embedding weight; the residual output projections
+    (attention wo, MLP w2) get init_std / sqrt(2 n_layer) so the stream's variance does not
+    grow with depth. RMSNorm gains start at 1."""
+    for module in model.modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=config.init_std)
+    for name, p in model.named_parameters():
+        if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+            nn.init.normal_(p, mean=0.0, std=config.init_std / math.sqrt(2 * config.n_layer))
+
+
+def block_flops(config: LlamaConfig, n_keys: int) -> int:
+    """Forward FLOPs per query row of one block: 2 per multiply-accumulate of the attention
+    (4 D^2) and SwiGLU (3 D hidden) weight matmuls, plus 4 D n_keys for scores and mixing over
+    `n_keys` keys (PaLM convention: the full context, no causal halving)."""
+    D = config.n_embd
+    return 2 * (4 * D * D + 3 * D * config.mlp_hidden) + 4 * D * n_keys
+
+
+def check_length(config: LlamaConfig, seq_len: int) -> None:
+    if seq_len > config.block_size:
+        raise ValueError(f"sequence length {seq_len} exceeds block_size {config.block_size}")
+
+
+@dataclass
+class TransformerPPConfig(LlamaConfig):
+    """Transformer++: token embedding -> n_layer Llama blocks -> RMSNorm -> untied LM head."""
+
+
+class TransformerPP(LanguageModel):
+    def __init__(self, config: TransformerPPConfig):
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.n_embd)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.norm = RMSNorm(config.n_embd, config.norm_eps)
+        self.output = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        init_weights(self, config)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                return_energies: bool = False) -> ModelOutput:
+        check_length(self.config, idx.size(1))
+        x = self.tok_embeddings(idx)
+        positions = torch.arange(idx.size(1), device=idx.device)
+        rope = rotary_tables(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        checkpointed = self.config.activation_checkpointing != "off"
+        for layer in self.layers:
+            x = maybe_checkpoint(checkpointed, layer, x, rope)[0]
+        logits = self.output(self.norm(x))
+        loss = None
+        if targets is not None:
+            # at least float32 for the softmax, also when the model runs in bf16
+            wide = torch.promote_types(logits.dtype, torch.float32)
+            loss = F.cross_entropy(logits.flatten(0, 1).to(wide), targets.flatten(), ignore_index=-1)
+        return ModelOutput(loss=loss, logits=logits)
+
+    def embedding_parameters(self) -> list[nn.Parameter]:
+        """The input embedding and the untied LM head (the two V x D tables)."""
+        return [self.tok_embeddings.weight, self.output.weight]
+
+    def flops_per_token(self, seq_len: int, training: bool = True) -> float:
+        """PaLM convention: forward = n_layer x (2 x block weights + 4 D T) + the LM head's 2 D V;
+        training = 3 x forward (backward = 2x forward). Norms and elementwise ops are ignored."""
+        forward = self.config.n_layer * block_flops(self.config, seq_len)
+        forward += 2 * self.config.n_embd * self.config.vocab_size
+        return (3 if training else 1) * forward
+
+
+register_family(TransformerPPConfig, TransformerPP)
+
+# The EBT paper's "small" Transformer++ baseline: 126.8M with the two V x D tables at V=50304.
+register_flavor("transformer_pp-small", TransformerPPConfig())
+# CPU sizes for tests, the demo and the scaling sweep (the trainer sets vocab_size from data).
+register_flavor("transformer_pp-tiny", TransformerPPConfig(vocab_size=512, block_size=64, n_layer=2,
+                                                           n_head=2, n_embd=32))
+register_flavor("transformer_pp-mini", TransformerPPConfig(vocab_size=512, block_size=256, n_layer=4,
+                                                           n_head=4, n_embd=64))

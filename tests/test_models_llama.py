@@ -1,0 +1,107 @@
+"""Transformer++ (the Llama-style backbone): equality with an independently written Llama
+forward (complex-number rotary, explicit masked attention, SwiGLU), the rotary embedding's
+relative-position property, RMSNorm, parameter counts and FLOPs."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pretrain.models import build, resolve
+from pretrain.models.llama import RMSNorm, TransformerPPConfig, apply_rotary, rotary_tables
+
+
+def tiny(**overrides):
+    torch.manual_seed(0)
+    return build(resolve("transformer_pp-tiny", overrides)).double().eval()
+
+
+def rotate_complex(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding written as complex multiplication: channel c and c + hd/2 form the
+    complex number x_c + i x_{c+hd/2}, turned by angle position * theta^(-2c/hd)."""
+    half = x.size(-1) // 2
+    z = torch.complex(x[..., :half], x[..., half:])
+    angles = positions[:, None].double() * theta ** (-torch.arange(half, dtype=torch.float64) * 2 / x.size(-1))
+    z = z * torch.polar(torch.ones_like(angles), angles)
+    return torch.cat([z.real, z.imag], dim=-1)
+
+
+def test_transformer_pp_equals_an_independent_llama_forward():
+    model = tiny()
+    cfg = model.config
+    idx = torch.randint(0, cfg.vocab_size, (2, 12))
+    B, T, H, hd = 2, 12, cfg.n_head, cfg.head_dim
+    positions = torch.arange(T)
+    x = model.tok_embeddings(idx)
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    for layer in model.layers:
+        a, ff = layer.attention, layer.feed_forward
+        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.norm_eps) * layer.attention_norm.weight
+        q, k, v = (w(h).view(B, T, H, hd).transpose(1, 2) for w in (a.wq, a.wk, a.wv))
+        q, k = rotate_complex(q, positions, cfg.rope_theta), rotate_complex(k, positions, cfg.rope_theta)
+        scores = (q @ k.transpose(-1, -2) / math.sqrt(hd)).masked_fill(~causal, float("-inf"))
+        x = x + a.wo((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, -1))
+        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.norm_eps) * layer.ffn_norm.weight
+        x = x + ff.w2(F.silu(ff.w1(h)) * ff.w3(h))
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.norm_eps) * model.norm.weight
+    expected = model.output(x)
+    out = model(idx, idx)
+    assert torch.allclose(out.logits, expected, atol=1e-12, rtol=0)
+    assert torch.allclose(out.loss, F.cross_entropy(expected.flatten(0, 1), idx.flatten()), atol=1e-12)
+
+
+def test_rotary_scores_depend_only_on_relative_position():
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 1, 1, 16, dtype=torch.float64)
+    def score(i, j):
+        rq = apply_rotary(q, rotary_tables(torch.tensor([i]), 16, 10000.0, torch.float64))
+        rk = apply_rotary(k, rotary_tables(torch.tensor([j]), 16, 10000.0, torch.float64))
+        return (rq * rk).sum()
+    assert torch.allclose(score(7, 3), score(104, 100), atol=1e-12)
+    assert torch.allclose(score(5, 5), (q * k).sum(), atol=1e-12)  # same position: no rotation
+    assert not torch.allclose(score(7, 3), score(3, 7))
+    x = torch.randn(3, 2, 9, 16, dtype=torch.float64)  # a rotation keeps norms
+    rotated = apply_rotary(x, rotary_tables(torch.arange(9), 16, 10000.0, torch.float64))
+    assert torch.allclose(rotated.norm(dim=-1), x.norm(dim=-1), atol=1e-12)
+
+
+def test_rmsnorm_formula_and_bf16_stays_close_to_float32():
+    norm = RMSNorm(8, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(4, 8) * 30
+    expected = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight
+    assert torch.allclose(norm(x), expected, atol=1e-5)
+    assert torch.allclose(norm.bfloat16()(x.bfloat16()).float(), expected, atol=0.05, rtol=0.02)
+
+
+def test_block_checkpointing_is_exact():
+    idx = torch.randint(0, 512, (2, 10))
+    grads = []
+    for mode in ("off", "block"):
+        model = tiny(activation_checkpointing=mode).train()
+        model(idx, idx).loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name in grads[0]:
+        assert torch.allclose(grads[0][name], grads[1][name], atol=1e-12, rtol=0), name
+
+
+def test_small_parameter_count_and_flops():
+    """12L/768/12h, SwiGLU hidden = D, untied head: 12 x 7 D^2 non-embedding (+ norms) and
+    two V x D tables, 126.8M at V=50304 (the EBT paper's ~126M baseline)."""
+    with torch.device("meta"):
+        model = build(resolve("transformer_pp-small"))
+    D, V = 768, 50304
+    assert model.num_params(non_embedding=True) == 12 * 7 * D * D + 25 * D
+    assert model.num_params() == model.num_params(non_embedding=True) + 2 * V * D
+    assert abs(model.num_params() / 126e6 - 1) < 0.01
+    palm = 6 * 12 * 7 * D * D + 12 * 12 * D * 1024 + 6 * D * V
+    assert model.flops_per_token(1024) == palm
+    assert model.flops_per_token(1024, training=False) == palm / 3
+
+
+@pytest.mark.parametrize("field, value", [("n_head", 5), ("mlp_ratio", 0.0), ("dropout", 1.0),
+                                          ("activation_checkpointing", "layer")])
+def test_invalid_options_are_rejected_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        TransformerPPConfig(**{field: value})
