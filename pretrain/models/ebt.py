@@ -1,0 +1,569 @@
+"""Energy-Based Transformer (EBT) for autoregressive language modelling (spec section 3).
+
+A Llama-style transformer scores a candidate distribution over the next token with one scalar
+energy per position. The prediction is found by gradient descent on the candidate:
+
+    y_0 ~ N(0, candidate_init_std)                         [B, T, V] candidate logits
+    p_t = softmax(y_t [+ Langevin noise])
+    E_t = EnergyHead(Backbone([observed tokens ; p_t @ W_ve]))   [B, T]
+    y_{t+1} = p_t - alpha * dE_t/dp_t                      (autograd.grad, create_graph in training)
+
+and training backpropagates the next-token cross entropy of log_softmax(y_{t+1}) through the
+descent (second order). The backbone runs two streams with the same weights: the observed tokens
+with ordinary causal attention, and one predicted row per position i that attends to observed
+tokens 0..i and to itself only (never to observed token i+1, its target, nor to other
+predictions). Row i takes the rotary position of the token it predicts, i + 1 (as the released
+code). Without step conditioning the observed stream does not depend on the candidate: its keys
+and values are computed once per batch and every descent step runs only the predicted rows.
+
+`EnergyDescent` holds every parameter and runs the whole loop, so DeepSpeed ZeRO-3 can gather it
+as one leaf module (`autograd.grad` inside a forward needs the parameters whole).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from pretrain.models.blocks import check_choice, check_positive, maybe_checkpoint
+from pretrain.models.common import LanguageModel, ModelOutput
+from pretrain.models.llama import (Block, LlamaConfig, RMSNorm, block_flops, check_length, init_weights,
+                                   rotary_tables)
+from pretrain.models.registry import register_family, register_flavor
+
+MIN_ALPHA = 1e-4
+"""Lower clamp of a learnable step size (as the released code), so it cannot turn into ascent."""
+
+
+@dataclass
+class EBTConfig(LlamaConfig):
+    """EBT on the Llama backbone. The S1 / S2 recipes of spec 3.5 are combinations of the
+    options below (see the registered flavors)."""
+
+    n_steps: int = 2
+    """Descent steps per forward; the maximum when `min_steps` randomises them, and always the
+    number used at eval."""
+    min_steps: int = 0
+    """If > 0, training draws the number of steps uniformly from [min_steps, n_steps] once per
+    batch (S2: 2..3)."""
+    alpha: float = 500.0
+    """Descent step size (the initial value when learnable). Large because each p_v is ~1/V,
+    so dE/dp is small."""
+    alpha_learnable: bool = True
+    """Learn alpha (an nn.Parameter, S1) or keep it fixed (a buffer, S2)."""
+    alpha_lr_mult: float = 1500.0
+    """Learning-rate multiplier of a learnable alpha, exposed through `lr_multipliers()` (the
+    released S1 recipe uses 1500: Adam's steps of ~LR would not move a value of ~500)."""
+    alpha_randomize: float = 1.0
+    """Training draws each (sample, position)'s step size uniformly from
+    [alpha / alpha_randomize, alpha * alpha_randomize], once per batch; 1 = off (S2: 2)."""
+    candidate_init_std: float = 1.0
+    """Std of the Gaussian noise the candidate logits start from."""
+    langevin_noise_std: float = 0.0
+    """Std of the Gaussian noise added to the candidate before each step, in training only
+    (S2: 3)."""
+    detach_between_steps: bool = True
+    """Cut the graph between steps (S1): each step's loss reaches the parameters only through
+    its own energy gradient. False keeps the graph through the candidate (S2)."""
+    truncate_loss: bool = False
+    """Loss from the last step only, and only the last step builds the second-order graph
+    (S2); otherwise the mean cross entropy over steps (S1)."""
+    replay_buffer_size: int = 0
+    """Rows of the replay buffer (0 = off): tokens, targets and final candidate logits of recent
+    training rows, kept in registered buffers so checkpoints hold them; costs
+    replay_buffer_size x block_size x vocab_size floats."""
+    replay_fraction: float = 0.25
+    """With a replay buffer, each training batch is extended by this fraction of its rows,
+    drawn from the buffer and restarted from their stored final candidates."""
+    time_embed: bool = False
+    """Step conditioning: a learned embedding of the step index is prepended to the observed
+    stream as token 0 (the released scripts' "time_embed"); steps beyond n_steps reuse the
+    last embedding. The observed stream then depends on the step and is recomputed per step."""
+    reuse_observed_stream: bool = True
+    """Compute the observed stream's keys/values once per batch and reuse them in every step
+    (exact without time_embed). False recomputes them per step, as the released code."""
+    expected_embedding: bool = False
+    """Embed the candidate with the input embedding table (p @ W_e) instead of a learned V x D
+    matrix W_ve."""
+    grad_wrt: str = "probs"
+    """Differentiate the energy w.r.t. the probabilities p and update y <- p - alpha dE/dp
+    (released code), or w.r.t. the logits y and update y <- y - alpha dE/dy ("logits", the
+    paper's pseudocode)."""
+    eval_seed: int = 0
+    """Seed of the initial candidate noise at eval and in `think`, so that evaluation is
+    reproducible and does not consume the training RNG."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_positive(self, "n_steps", "alpha", "alpha_lr_mult", "alpha_randomize", "candidate_init_std")
+        check_choice(self, "grad_wrt", ("probs", "logits"))
+        if not 0 <= self.min_steps <= self.n_steps:
+            raise ValueError(f"EBTConfig.min_steps must be in [0, n_steps={self.n_steps}], got {self.min_steps}")
+        if self.alpha_randomize < 1:
+            raise ValueError(f"EBTConfig.alpha_randomize must be >= 1, got {self.alpha_randomize}")
+        if self.langevin_noise_std < 0 or self.replay_buffer_size < 0:
+            raise ValueError("EBTConfig.langevin_noise_std and replay_buffer_size must be >= 0")
+        if not 0 < self.replay_fraction <= 1:
+            raise ValueError(f"EBTConfig.replay_fraction must be in (0, 1], got {self.replay_fraction}")
+        if self.time_embed and self.reuse_observed_stream:
+            raise ValueError("EBTConfig.reuse_observed_stream needs time_embed=False: step conditioning "
+                             "makes the observed stream depend on the step")
+
+    @property
+    def n_prefix(self) -> int:
+        """Tokens before the observed sequence in the observed stream (the step embedding)."""
+        return 1 if self.time_embed else 0
+
+
+def two_stream_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_obs: torch.Tensor,
+                         v_obs: torch.Tensor, offset: int) -> torch.Tensor:
+    """Attention of the predicted rows [B, H, R, hd]: row r attends to observed keys
+    0..r + offset and to its own key, in one softmax. Exact and cheap: the scores against the
+    observed keys with an inclusive causal mask plus the single self score q_r . k_r, so no
+    2T x 2T mask. Written with plain matmuls, which have a double backward on every device
+    (the flash SDPA kernel has none)."""
+    q = q * q.size(-1) ** -0.5
+    rows = torch.arange(q.size(-2), device=q.device)[:, None]
+    keys = torch.arange(k_obs.size(-2), device=q.device)[None, :]
+    # an additive -inf bias: cheaper than masked_fill in the first and second backward
+    hidden = torch.zeros(rows.size(0), keys.size(1), dtype=q.dtype, device=q.device).masked_fill_(
+        keys > rows + offset, float("-inf"))
+    scores = q @ k_obs.transpose(-2, -1) + hidden
+    self_score = (q * k).sum(-1, keepdim=True)
+    wide = torch.promote_types(q.dtype, torch.float32)
+    probs = torch.cat([scores, self_score], dim=-1).to(wide).softmax(dim=-1).to(q.dtype)
+    return probs[..., :-1] @ v_obs + probs[..., -1:] * v
+
+
+def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per-token cross entropy [B, R] in at least float32; ignored targets (-1) give 0."""
+    wide = torch.promote_types(logits.dtype, torch.float32)
+    return F.cross_entropy(logits.flatten(0, 1).to(wide), targets.flatten(), ignore_index=-1,
+                           reduction="none").view(targets.shape)
+
+
+class DescentResult(NamedTuple):
+    candidate: torch.Tensor
+    """[B, R, V] final candidate logits y (detached)."""
+    energies: torch.Tensor
+    """[S, B, R] energy at the candidate entering each step (detached); [S + 1, ...] with
+    `final_energy`, the last entry being the final candidate's energy."""
+    token_losses: torch.Tensor | None
+    """[S, B, R] cross entropy of log_softmax(y_{t+1}) per step and token (detached)."""
+    loss: torch.Tensor | None
+    """The training objective (mean over steps, or last step when truncated), with its graph."""
+    alpha: torch.Tensor
+    """The (clamped) step size parameter, detached."""
+
+
+class CheckpointedStep(torch.autograd.Function):
+    """Activation checkpointing of one descent step, a function that calls autograd.grad.
+
+    Forward runs the step without its second-order graph and keeps only the step's inputs;
+    backward reruns it with the graph (same random numbers) and backpropagates. torch's
+    non-reentrant checkpoint would instead recompute the dropped activations already in the
+    forward, for the step's own autograd.grad, and then keep what that gradient does not read
+    until the backward: one more [B, T, V] tensor per step, and an extra energy forward.
+    The parameters are inputs (unused in forward) so that their gradients flow through the
+    usual accumulation, and its hooks (DeepSpeed's)."""
+
+    @staticmethod
+    def forward(ctx, descent, settings, targets, y, alpha, *observed_and_params):
+        first_row, noise_std, second_order, keep_graph, n_observed = settings
+        observed_flat, ctx.params = observed_and_params[:n_observed], observed_and_params[n_observed:]
+        ctx.descent, ctx.settings, ctx.targets = descent, settings, targets
+        ctx.rng = rng_state(y.device)
+        ctx.save_for_backward(y, alpha, *observed_flat)
+        with torch.enable_grad():
+            y, energy, losses = descent.step(y.detach(), pairs(observed_flat), first_row, targets,
+                                             alpha.detach(), noise_std, False, False)
+        return y.detach(), energy, None if losses is None else losses.detach()
+
+    @staticmethod
+    def backward(ctx, grad_y, grad_energy, grad_losses):
+        first_row, noise_std, second_order, keep_graph, _ = ctx.settings
+        inputs = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
+        y, alpha, *observed_flat = inputs
+        with torch.random.fork_rng(devices=[y.device] if y.is_cuda else []), torch.enable_grad():
+            restore_rng_state(ctx.rng, y.device)
+            y, _, losses = ctx.descent.step(y, pairs(observed_flat), first_row, ctx.targets, alpha,
+                                            noise_std, second_order, keep_graph)
+        outputs = [(out, grad) for out, grad in ((y, grad_y), (losses, grad_losses))
+                   if grad is not None and out is not None and out.requires_grad]
+        wrt = [t for t in inputs + list(ctx.params) if t.requires_grad]
+        grads = [None] * len(wrt)
+        if outputs:
+            grads = torch.autograd.grad([o for o, _ in outputs], wrt, [g for _, g in outputs],
+                                        allow_unused=True)
+        grads = iter(grads)
+        return (None, None, None,
+                *(next(grads) if t.requires_grad else None for t in inputs + list(ctx.params)))
+
+
+def rng_state(device: torch.device):
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def restore_rng_state(state, device: torch.device) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
+
+
+def pairs(flat) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return list(zip(flat[0::2], flat[1::2]))
+
+
+class EnergyDescent(nn.Module):
+    """Every parameter of the EBT and the descent loop over them (a ZeRO-3 leaf module)."""
+
+    def __init__(self, config: EBTConfig):
+        super().__init__()
+        self.config = config
+        D, V = config.n_embd, config.vocab_size
+        self.tok_embeddings = nn.Embedding(V, D)
+        self.candidate_embedding = None if config.expected_embedding else nn.Linear(V, D, bias=False)
+        self.time_embeddings = nn.Embedding(config.n_steps, D) if config.time_embed else None
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.norm = RMSNorm(D, config.norm_eps)
+        self.energy_head = nn.Linear(D, 1, bias=False)
+        alpha = torch.tensor(float(config.alpha))
+        if config.alpha_learnable:
+            self.alpha = nn.Parameter(alpha)
+        else:
+            self.register_buffer("alpha", alpha)
+
+    def _rope(self, first_position: int, length: int, like: torch.Tensor):
+        positions = torch.arange(first_position, first_position + length, device=like.device)
+        return rotary_tables(positions, self.config.head_dim, self.config.rope_theta, like.dtype)
+
+    def observe(self, idx: torch.Tensor, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, the rotated keys and values [B, H, T (+1), hd] of the observed stream:
+        causal attention over the observed tokens (after the step embedding, if any)."""
+        x = self.tok_embeddings(idx)
+        if self.time_embeddings is not None:
+            step_index = idx.new_full((idx.size(0), 1), min(step, self.config.n_steps - 1))
+            x = torch.cat([self.time_embeddings(step_index), x], dim=1)
+        rope = self._rope(0, x.size(1), x)
+        checkpointed = self.config.activation_checkpointing == "block"
+        observed = []
+        for layer in self.layers[:-1]:
+            x, k, v = maybe_checkpoint(checkpointed, layer, x, rope)
+            observed.append((k, v))
+        # the last layer's observed outputs feed nothing: only its keys and values are needed
+        last = self.layers[-1]
+        observed.append(last.attention.keys_values(last.attention_norm(x), rope))
+        return observed
+
+    def energy(self, probs: torch.Tensor, observed: list, first_row: int) -> torch.Tensor:
+        """Energies [B, R] of the candidate distributions `probs` [B, R, V] for positions
+        first_row .. first_row + R - 1."""
+        weight = self.tok_embeddings.weight
+        x = probs.to(weight.dtype)
+        x = x @ weight if self.candidate_embedding is None else self.candidate_embedding(x)
+        n_prefix = self.config.n_prefix
+        rope = self._rope(first_row + 1 + n_prefix, x.size(1), x)
+        checkpointed = self.config.activation_checkpointing == "block"
+        for layer, (k_obs, v_obs) in zip(self.layers, observed):
+            attend = functools.partial(two_stream_attention, k_obs=k_obs, v_obs=v_obs,
+                                       offset=first_row + n_prefix)
+            x = maybe_checkpoint(checkpointed, layer, x, rope, attend)[0]
+        return self.energy_head(self.norm(x)).squeeze(-1)
+
+    def step(self, y: torch.Tensor, observed: list, first_row: int, targets: torch.Tensor | None,
+             alpha: torch.Tensor, noise_std: float, second_order: bool, keep_graph: bool):
+        """One descent step from y_t [B, R, V]: (y_{t+1}, E_t [B, R] detached, per-token loss of
+        y_{t+1} or None). `second_order` builds the graph of the energy gradient; `keep_graph`
+        keeps the one through y_t."""
+        if not keep_graph:
+            y = y.detach()
+        if noise_std:
+            y = y + noise_std * torch.randn_like(y)
+        if self.config.grad_wrt == "logits" and not y.requires_grad:
+            y = y.detach().requires_grad_()
+        probs = y.softmax(dim=-1)
+        if not probs.requires_grad:
+            # Nothing upstream of p needs a gradient, so p is the leaf: no softmax node saving p,
+            # which a checkpointed step would keep alive (recomputed, unused) until the backward.
+            probs.requires_grad_()
+        point = probs if self.config.grad_wrt == "probs" else y
+        energy = self.energy(probs, observed, first_row)
+        grad, = torch.autograd.grad(energy.sum(), point, create_graph=second_order)
+        y = point - alpha * grad
+        losses = None
+        if targets is not None:
+            with torch.set_grad_enabled(second_order):
+                losses = token_losses(y, targets)
+        return y, energy.detach(), losses
+
+    def forward(self, idx: torch.Tensor, candidate: torch.Tensor, n_steps: int,
+                targets: torch.Tensor | None = None, alpha_scale: torch.Tensor | None = None,
+                noise_std: float = 0.0, learning: bool = False,
+                final_energy: bool = False) -> DescentResult:
+        """Descend `n_steps` from `candidate` [B, R, V], the initial logits of the last R
+        positions of `idx` [B, T] (R = T for a whole sequence). `targets` [B, R] gives the
+        per-step losses; `alpha_scale` [B, R, 1] multiplies the step size; `learning` builds the
+        second-order graph; `final_energy` also scores the final candidate."""
+        cfg = self.config
+        alpha = self.alpha.clamp(min=MIN_ALPHA)
+        if alpha_scale is not None:
+            alpha = alpha * alpha_scale
+        observed = None
+        if cfg.reuse_observed_stream:
+            with torch.set_grad_enabled(learning):
+                observed = self.observe(idx, 0)
+        checkpointed = learning and cfg.activation_checkpointing == "step"
+        keep_graph = learning and not cfg.detach_between_steps
+        first_row = idx.size(1) - candidate.size(1)
+        y, energies, losses = candidate, [], []
+        with torch.enable_grad():  # the descent differentiates, also under a no_grad caller
+            for t in range(n_steps):
+                step_observed = observed
+                if step_observed is None:  # step conditioning: the observed stream depends on t
+                    with torch.set_grad_enabled(learning):
+                        # checkpointed apart from the step: inside it, the step's autograd.grad
+                        # would recompute and keep these activations until the backward
+                        step_observed = maybe_checkpoint(checkpointed, self.observe, idx, t)
+                second_order = learning and (t == n_steps - 1 or not cfg.truncate_loss)
+                if checkpointed:
+                    settings = (first_row, noise_std, second_order, keep_graph, 2 * len(step_observed))
+                    y, energy, step_losses = CheckpointedStep.apply(
+                        self, settings, targets, y, alpha, *(tensor for kv in step_observed for tensor in kv),
+                        *(p for p in self.parameters() if p.requires_grad))
+                else:
+                    y, energy, step_losses = self.step(y, step_observed, first_row, targets, alpha,
+                                                       noise_std, second_order, keep_graph)
+                energies.append(energy)
+                losses.append(step_losses)
+        if final_energy:
+            with torch.no_grad():
+                if observed is None:
+                    observed = self.observe(idx, n_steps)
+                energies.append(self.energy(y.softmax(dim=-1), observed, first_row))
+        loss = per_step = None
+        if targets is not None:
+            n_valid = (targets != -1).sum().clamp(min=1)
+            step_means = [step_losses.sum() / n_valid for step_losses in losses]
+            loss = step_means[-1] if cfg.truncate_loss else torch.stack(step_means).mean()
+            per_step = torch.stack(losses).detach()
+        return DescentResult(y.detach(), torch.stack(energies), per_step, loss, self.alpha.detach().clamp(min=MIN_ALPHA))
+
+
+class ThinkOutput(NamedTuple):
+    logits: torch.Tensor
+    """[B, R, V] log-probabilities of the chosen final candidates."""
+    energies: torch.Tensor
+    """[steps + 1, B, R] energy before each step and of the final candidate (chosen samples)."""
+    loss_per_step: torch.Tensor | None
+    """[steps] mean cross entropy after 1..steps steps (chosen samples), given targets."""
+
+
+class EBT(LanguageModel):
+    def __init__(self, config: EBTConfig):
+        super().__init__()
+        self.config = config
+        self.descent = EnergyDescent(config)
+        init_weights(self, config)
+        rows, T, V = config.replay_buffer_size, config.block_size, config.vocab_size
+        if rows:
+            # Per-rank training state, saved with the module (see docs/design.md, EBT).
+            self.register_buffer("replay_tokens", torch.zeros(rows, T, dtype=torch.long))
+            self.register_buffer("replay_targets", torch.zeros(rows, T, dtype=torch.long))
+            self.register_buffer("replay_candidates", torch.zeros(rows, T, V))
+            # sequence length of each stored row (0: empty slot), and the next slot to write
+            self.register_buffer("replay_lengths", torch.zeros(rows, dtype=torch.long))
+            self.register_buffer("replay_next", torch.zeros((), dtype=torch.long))
+
+    # --- randomness -----------------------------------------------------------------------
+
+    def initial_candidate(self, rows: int, length: int, device: torch.device, seeded: bool) -> torch.Tensor:
+        """[rows, length, V] Gaussian logits in at least float32 (the candidate stays wide
+        when the model runs in bf16). Training draws from the global RNG; `seeded` draws
+        from a generator seeded with eval_seed, so evaluation is reproducible."""
+        dtype = torch.promote_types(self.descent.energy_head.weight.dtype, torch.float32)
+        shape = (rows, length, self.config.vocab_size)
+        generator = torch.Generator(device=device).manual_seed(self.config.eval_seed) if seeded else None
+        return torch.randn(shape, generator=generator, device=device, dtype=dtype) * self.config.candidate_init_std
+
+    def sample_num_steps(self) -> int:
+        """Training: uniform in [min_steps, n_steps] when randomised; n_steps otherwise."""
+        cfg = self.config
+        if self.training and cfg.min_steps:
+            return int(torch.randint(cfg.min_steps, cfg.n_steps + 1, ()).item())
+        return cfg.n_steps
+
+    def sample_alpha_scale(self, rows: int, length: int, device: torch.device) -> torch.Tensor | None:
+        """Training: a factor [rows, length, 1] uniform in [1/r, r] for the step size."""
+        r = self.config.alpha_randomize
+        if not self.training or r == 1:
+            return None
+        return 1 / r + torch.rand(rows, length, 1, device=device) * (r - 1 / r)
+
+    # --- replay buffer --------------------------------------------------------------------
+
+    def add_replay_rows(self, idx, targets, candidate):
+        """Append round(replay_fraction x B) rows drawn from the buffer (same length only),
+        with their stored tokens, targets and final candidates as starting point."""
+        T = idx.size(1)
+        stored = (self.replay_lengths == T).nonzero().flatten()
+        n = min(round(self.config.replay_fraction * idx.size(0)), stored.numel())
+        if n == 0:
+            return idx, targets, candidate
+        pick = stored[torch.randperm(stored.numel(), device=stored.device)[:n]]
+        return (torch.cat([idx, self.replay_tokens[pick, :T]]),
+                torch.cat([targets, self.replay_targets[pick, :T]]),
+                torch.cat([candidate, self.replay_candidates[pick, :T].to(candidate.dtype)]))
+
+    @torch.no_grad()
+    def store_replay_rows(self, idx, targets, final_candidate) -> None:
+        """Write the rows' final candidate logits (with their tokens) into the ring buffer."""
+        rows, T = idx.shape
+        size = self.config.replay_buffer_size
+        keep = min(rows, size)
+        slots = (self.replay_next + torch.arange(keep, device=idx.device)) % size
+        self.replay_tokens[slots, :T] = idx[-keep:]
+        self.replay_targets[slots, :T] = targets[-keep:]
+        self.replay_candidates[slots, :T] = final_candidate[-keep:].to(self.replay_candidates.dtype)
+        self.replay_lengths[slots] = T
+        self.replay_next.copy_((self.replay_next + keep) % size)
+
+    # --- model interface ------------------------------------------------------------------
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                return_energies: bool = False) -> ModelOutput:
+        """Training: loss = the S1/S2 objective (mean CE over steps, or last step when
+        truncated) over the batch and any replayed rows. Eval: loss = the cross entropy of the
+        final candidate, the model's prediction, so it compares with a plain LM's. `logits` are
+        log_softmax of the final candidate (detached). Diagnostics: `energy` [S], `alpha`, and
+        with targets `loss_per_step` [S], `loss_first_step`, `loss_last_step`; per-token
+        energies [S, B, T] under `_energies` when `return_energies`."""
+        cfg = self.config
+        B, T = idx.shape
+        check_length(cfg, T)
+        candidate = self.initial_candidate(B, T, idx.device, seeded=not self.training)
+        replay = self.training and cfg.replay_buffer_size > 0 and targets is not None
+        all_idx, all_targets = idx, targets
+        if replay:
+            all_idx, all_targets, candidate = self.add_replay_rows(idx, targets, candidate)
+        result = self.descent(
+            all_idx, candidate, self.sample_num_steps(), targets=all_targets,
+            alpha_scale=self.sample_alpha_scale(all_idx.size(0), T, idx.device),
+            noise_std=cfg.langevin_noise_std if self.training else 0.0,
+            learning=self.training and torch.is_grad_enabled())
+        if replay:
+            self.store_replay_rows(idx, targets, result.candidate[:B])
+        diagnostics = {"energy": result.energies.mean(dim=(1, 2)), "alpha": result.alpha}
+        loss = None
+        if targets is not None:
+            n_valid = (all_targets != -1).sum().clamp(min=1)
+            loss_per_step = result.token_losses.sum(dim=(1, 2)) / n_valid
+            diagnostics.update(loss_per_step=loss_per_step, loss_first_step=loss_per_step[0],
+                               loss_last_step=loss_per_step[-1])
+            loss = result.loss if self.training else loss_per_step[-1]
+        if return_energies:
+            diagnostics["_energies"] = result.energies[:, :B]
+        return ModelOutput(loss=loss, logits=log_probs(result.candidate[:B]), diagnostics=diagnostics)
+
+    @torch.no_grad()
+    def think(self, idx: torch.Tensor, steps: int | None = None, best_of: int = 1,
+              targets: torch.Tensor | None = None, last_only: bool = False) -> ThinkOutput:
+        """Inference with `steps` descent steps (default n_steps; more is "thinking longer")
+        from `best_of` seeded noise samples per position, keeping per position the sample with
+        the lowest final energy. No training randomness. `targets` [B, T] adds the loss after
+        each step (the eval "thinking curve"); `last_only` predicts only the last position."""
+        steps = steps or self.config.n_steps
+        B, T = idx.shape
+        check_length(self.config, T)
+        rows = 1 if last_only else T
+        candidate = self.initial_candidate(best_of * B, rows, idx.device, seeded=True)
+        if targets is not None:
+            targets = targets[:, T - rows:].repeat(best_of, 1)
+        result = self.descent(idx.repeat(best_of, 1), candidate, steps, targets=targets, final_energy=True)
+        choice = result.energies[-1].view(best_of, B, rows).argmin(dim=0)  # [B, rows]
+
+        def chosen(x: torch.Tensor, sample_dim: int) -> torch.Tensor:
+            """x with its (best_of x B) dimension `sample_dim` reduced to the chosen samples."""
+            x = x.unflatten(sample_dim, (best_of, B))
+            index = choice.view((1,) * (sample_dim + 1) + choice.shape + (1,) * (x.dim() - sample_dim - 3))
+            return torch.take_along_dim(x, index, dim=sample_dim).squeeze(sample_dim)
+
+        loss_per_step = None
+        if targets is not None:
+            n_valid = (targets[:B] != -1).sum().clamp(min=1)
+            loss_per_step = chosen(result.token_losses, 1).sum(dim=(1, 2)) / n_valid
+        return ThinkOutput(log_probs(chosen(result.candidate, 0)), chosen(result.energies, 1), loss_per_step)
+
+    def next_token_logits(self, context: torch.Tensor) -> torch.Tensor:
+        return self.think(context, last_only=True).logits[:, -1, :]
+
+    def embedding_parameters(self) -> list[nn.Parameter]:
+        """The input embedding and the candidate embedding W_ve (the two V x D tables)."""
+        d = self.descent
+        return [d.tok_embeddings.weight] + ([] if d.candidate_embedding is None else [d.candidate_embedding.weight])
+
+    def lr_multipliers(self) -> dict[str, float]:
+        return {"descent.alpha": self.config.alpha_lr_mult} if self.config.alpha_learnable else {}
+
+    def zero3_leaf_modules(self) -> list[type[nn.Module]]:
+        return [EnergyDescent]
+
+    def flops_per_token(self, seq_len: int, training: bool = True) -> float:
+        """Model FLOPs per token of what this implementation computes (2 per multiply-add,
+        PaLM attention convention, norms and softmaxes ignored), with steps = n_steps, or the
+        mean (min_steps + n_steps) / 2 of randomised training steps:
+
+        - observed stream O: (n_layer - 1) blocks over T (+1 with time_embed) keys plus the
+          last layer's key/value projections (4 D^2); once per batch with reuse, once per step
+          without;
+        - predicted rows P (per step): candidate embedding 2 D V + n_layer blocks attending to
+          T keys + the energy head;
+        - the energy gradient dE/dp needs input gradients only: ~P again;
+        - training backpropagates through both (2x), so a step with a second-order graph costs
+          3 (P + P) and the observed stream 3 O; truncated S2 steps before the last cost 2 P.
+
+        S1 (2 steps) with reuse is 12 P + 3 O, about 5x a Transformer++ training step (3x its
+        forward); recomputing O per step (time_embed) gives 18 P, about 6x. The paper counts
+        6.66x for S1 (a full 2T forward per step); at inference one step costs ~2x a forward
+        with reuse (paper: 3.33x)."""
+        cfg = self.config
+        D = cfg.n_embd
+        observed_rows = (seq_len + cfg.n_prefix) / seq_len
+        observed = observed_rows * ((cfg.n_layer - 1) * block_flops(cfg, seq_len + cfg.n_prefix) + 4 * D * D)
+        predicted = 2 * D * cfg.vocab_size + cfg.n_layer * block_flops(cfg, seq_len + cfg.n_prefix + 1) + 2 * D
+        steps = (cfg.min_steps + cfg.n_steps) / 2 if training and cfg.min_steps else cfg.n_steps
+        if not training:
+            observed_passes = 1 if cfg.reuse_observed_stream else steps
+            return observed_passes * observed + steps * 2 * predicted
+        graph_steps = 1 if cfg.truncate_loss else steps
+        total = graph_steps * 6 * predicted + (steps - graph_steps) * 2 * predicted
+        if cfg.reuse_observed_stream:
+            return total + 3 * observed
+        return total + graph_steps * 3 * observed + (steps - graph_steps) * observed
+
+
+def log_probs(candidate: torch.Tensor) -> torch.Tensor:
+    return F.log_softmax(candidate, dim=-1)
+
+
+register_family(EBTConfig, EBT)
+
+# The paper's recipes at "small" (12L/768/12h; 126.8M with the two V x D tables at V=50304), with
+# step conditioning as the released scripts (S1: 2 steps, learnable alpha 500 with LR x1500, detach,
+# mean CE; S2: 2..3 steps, fixed alpha 5 randomised in [2.5, 10], Langevin noise 3, keep graph,
+# last-step loss, replay buffer).
+S1 = dict(n_steps=2, alpha=500.0, alpha_learnable=True, alpha_lr_mult=1500.0)
+S2 = dict(n_steps=3, min_steps=2, alpha=5.0, alpha_learnable=False, alpha_randomize=2.0,
+          langevin_noise_std=3.0, detach_between_steps=False, truncate_loss=True, replay_fraction=0.25)
+STEP_CONDITIONED = dict(time_embed=True, reuse_observed_stream=False)
+register_flavor("ebt-s1-small", EBTConfig(**S1, **STEP_CONDITIONED))
+register_flavor("ebt-s2-small", EBTConfig(**S2, **STEP_CONDITIONED, replay_buffer_size=8))
+# CPU sizes (the trainer sets vocab_size from data). ebt-tiny is S1 on the fast path (observed
+# stream reused, no step embedding); ebt-s2-tiny is the full S2 recipe with step conditioning.
+TINY = dict(vocab_size=512, block_size=64, n_layer=2, n_head=2, n_embd=32)
+register_flavor("ebt-tiny", EBTConfig(**TINY, **S1))
+register_flavor("ebt-s2-tiny", EBTConfig(**TINY, **S2, **STEP_CONDITIONED, replay_buffer_size=32))
+register_flavor("ebt-mini", EBTConfig(vocab_size=512, block_size=256, n_layer=4, n_head=4, n_embd=64, **S1))

@@ -1,0 +1,472 @@
+"""EBT: the two-stream attention and the energy against an explicit 2T-sequence reference, no
+leakage, second-order gradients (gradcheck), the S1 / S2 option semantics, observed-stream
+reuse, activation checkpointing, thinking on a trained model, and the paper-scale sizes."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pretrain.models import build, resolve
+from pretrain.models.ebt import EBT, EBTConfig, EnergyDescent, token_losses, two_stream_attention
+from pretrain.models.llama import apply_rotary, rotary_tables
+
+STEP_CONDITIONED = dict(time_embed=True, reuse_observed_stream=False)
+S2_OPTIONS = dict(n_steps=3, min_steps=2, alpha=5.0, alpha_learnable=False, alpha_randomize=2.0,
+                  langevin_noise_std=3.0, detach_between_steps=False, truncate_loss=True)
+
+
+def tiny(dtype=torch.float64, **overrides) -> EBT:
+    """A float64 EBT small enough for gradcheck; overrides change any EBTConfig field."""
+    fields = dict(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=8, alpha=20.0)
+    fields.update(overrides)
+    torch.manual_seed(0)
+    return build(EBTConfig(**fields)).to(dtype)
+
+
+def data(model, batch=2, seq_len=6, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, model.config.vocab_size, (batch, seq_len + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def candidate(model, idx, seed=4, rows=None):
+    g = torch.Generator().manual_seed(seed)
+    rows = rows or idx.size(1)
+    return torch.randn(idx.size(0), rows, model.config.vocab_size, generator=g, dtype=torch.float64)
+
+
+def param_grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same_grads(a: dict, b: dict, atol=1e-10):
+    assert a and a.keys() == b.keys()
+    for name in a:
+        assert torch.allclose(a[name], b[name], atol=atol, rtol=1e-8), name
+
+
+# --- attention and energy against explicit references ------------------------------------
+
+def reference_mask(n_obs: int, n_rows: int, first_row: int, n_prefix: int) -> torch.Tensor:
+    """[n_obs + n_rows]^2 boolean mask of the whole [observed ; predicted] sequence, written
+    from the definition: observed rows are causal over observed keys; predicted row r (the
+    prediction for position i = first_row + r) sees observed keys up to observed token i (after
+    n_prefix prefix tokens) and itself."""
+    size = n_obs + n_rows
+    allowed = torch.zeros(size, size, dtype=torch.bool)
+    for a in range(n_obs):
+        allowed[a, : a + 1] = True
+    for r in range(n_rows):
+        allowed[n_obs + r, : first_row + r + n_prefix + 1] = True
+        allowed[n_obs + r, n_obs + r] = True
+    return allowed
+
+
+@pytest.mark.parametrize("n_obs, n_rows, first_row, n_prefix", [(6, 6, 0, 0), (7, 6, 0, 1), (6, 2, 4, 0)])
+def test_two_stream_attention_equals_full_masked_attention(n_obs, n_rows, first_row, n_prefix):
+    torch.manual_seed(0)
+    B, H, hd = 2, 3, 4
+    q_obs, k_obs, v_obs = (torch.randn(B, H, n_obs, hd, dtype=torch.float64) for _ in range(3))
+    q, k, v = (torch.randn(B, H, n_rows, hd, dtype=torch.float64) for _ in range(3))
+    scores = torch.cat([q_obs, q], 2) @ torch.cat([k_obs, k], 2).transpose(-1, -2) / math.sqrt(hd)
+    scores = scores.masked_fill(~reference_mask(n_obs, n_rows, first_row, n_prefix), float("-inf"))
+    expected = (scores.softmax(-1) @ torch.cat([v_obs, v], 2))[:, :, n_obs:]
+    got = two_stream_attention(q, k, v, k_obs, v_obs, offset=first_row + n_prefix)
+    assert torch.allclose(got, expected, atol=1e-13, rtol=0)
+
+
+def test_two_stream_attention_has_a_double_backward():
+    """Second-order gradients through the attention the descent differentiates (the flash
+    SDPA kernel has none): gradgradcheck in float64."""
+    torch.manual_seed(0)
+    inputs = [torch.randn(1, 2, n, 3, dtype=torch.float64, requires_grad=True) for n in (4, 4, 4, 5, 5)]
+    fn = lambda q, k, v, k_obs, v_obs: two_stream_attention(q, k, v, k_obs, v_obs, offset=1)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, inputs)
+    assert torch.autograd.gradgradcheck(fn, inputs)
+
+
+def joint_reference_energy(model: EBT, idx, probs, step=0):
+    """Energies from the released layout: the backbone run once over the 2T-row sequence
+    [observed ; predicted] with an explicit mask, predictions at rotary positions i + 1 (after
+    the step token, if any). Shares only the weights and the rotary helper with the model."""
+    d, cfg = model.descent, model.config
+    x_obs = d.tok_embeddings(idx)
+    if cfg.time_embed:
+        x_obs = torch.cat([d.time_embeddings.weight[step].expand(idx.size(0), 1, -1), x_obs], 1)
+    w_ve = d.tok_embeddings.weight.t() if cfg.expected_embedding else d.candidate_embedding.weight
+    x = torch.cat([x_obs, probs @ w_ve.t()], 1)
+    n_obs, T, H = x_obs.size(1), probs.size(1), cfg.n_head
+    first_row = idx.size(1) - T
+    positions = torch.cat([torch.arange(n_obs), torch.arange(T) + first_row + 1 + cfg.n_prefix])
+    rope = rotary_tables(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
+    allowed = reference_mask(n_obs, T, first_row, cfg.n_prefix)
+    for layer in d.layers:
+        a = layer.attention
+        h = layer.attention_norm(x)
+        q, k, v = (w(h).view(x.size(0), -1, H, cfg.head_dim).transpose(1, 2) for w in (a.wq, a.wk, a.wv))
+        q, k = apply_rotary(q, rope), apply_rotary(k, rope)
+        scores = (q @ k.transpose(-1, -2) / math.sqrt(cfg.head_dim)).masked_fill(~allowed, float("-inf"))
+        x = x + a.wo((scores.softmax(-1) @ v).transpose(1, 2).reshape(x.shape))
+        ff = layer.feed_forward
+        h = layer.ffn_norm(x)
+        x = x + ff.w2(F.silu(ff.w1(h)) * ff.w3(h))
+    return d.energy_head(d.norm(x[:, n_obs:])).squeeze(-1)
+
+
+@pytest.mark.parametrize("overrides", [{}, STEP_CONDITIONED, dict(expected_embedding=True, n_layer=1)])
+def test_energy_equals_the_joint_sequence_reference(overrides):
+    model = tiny(**overrides)
+    idx, _ = data(model)
+    probs = candidate(model, idx).softmax(-1)
+    d = model.descent
+    for step in (0, 1):
+        expected = joint_reference_energy(model, idx, probs, step)
+        assert torch.allclose(d.energy(probs, d.observe(idx, step), 0), expected, atol=1e-12, rtol=0)
+    # the last R rows alone (generation predicts only the last position)
+    expected = joint_reference_energy(model, idx, probs[:, -2:])
+    assert torch.allclose(d.energy(probs[:, -2:], d.observe(idx, 0), idx.size(1) - 2), expected,
+                          atol=1e-12, rtol=0)
+
+
+# --- no leakage ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("overrides", [{}, STEP_CONDITIONED, S2_OPTIONS])
+@pytest.mark.parametrize("training", [False, True])
+def test_prediction_never_sees_its_target_or_later_tokens(overrides, training):
+    """Changing observed token k (the target of position k - 1) changes no output at
+    positions < k: neither the final candidates nor any step's energy."""
+    model = tiny(**overrides).train(training)
+    idx, targets = data(model, seq_len=7)
+
+    def outputs(tokens):
+        torch.manual_seed(7)  # the same candidate noise (and training randomness) every call
+        out = model(tokens, targets, return_energies=True)
+        return out.logits, out.diagnostics["_energies"]
+
+    logits, energies = outputs(idx)
+    for k in (1, 4, 6):
+        changed = idx.clone()
+        changed[:, k] = (changed[:, k] + 1) % model.config.vocab_size
+        new_logits, new_energies = outputs(changed)
+        assert torch.allclose(new_logits[:, :k], logits[:, :k], atol=1e-12, rtol=0), k
+        assert torch.allclose(new_energies[:, :, :k], energies[:, :, :k], atol=1e-12, rtol=0), k
+        assert (new_logits[:, k:] - logits[:, k:]).abs().max() > 1e-6
+
+
+@pytest.mark.parametrize("overrides", [{}, STEP_CONDITIONED])
+def test_prediction_ignores_other_positions_candidates(overrides):
+    model = tiny(n_steps=3, **overrides)
+    idx, targets = data(model)
+    start = candidate(model, idx)
+    base = model.descent(idx, start, 3, targets=targets, final_energy=True)
+    i = 3
+    perturbed = start + 5 * torch.randn_like(start)
+    perturbed[:, i] = start[:, i]
+    other = model.descent(idx, perturbed, 3, targets=targets, final_energy=True)
+    assert torch.allclose(other.candidate[:, i], base.candidate[:, i], atol=1e-12, rtol=0)
+    assert torch.allclose(other.energies[:, :, i], base.energies[:, :, i], atol=1e-12, rtol=0)
+    assert (other.candidate[:, i + 1] - base.candidate[:, i + 1]).abs().max() > 1e-6
+
+
+# --- second order -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("overrides", [{}, dict(grad_wrt="logits", **STEP_CONDITIONED)])
+def test_gradcheck_of_the_loss_through_two_descent_steps(overrides):
+    """The loss's gradient w.r.t. parameters, which flows through autograd.grad(create_graph)
+    of two descent steps, equals finite differences (float64). The graph is kept between the
+    steps: with detach (S1) the gradient is by design not the loss's full derivative."""
+    model = tiny(n_layer=1, vocab_size=7, n_embd=4, n_head=1, alpha=3.0, detach_between_steps=False,
+                 **overrides)
+    idx, targets = data(model, batch=1, seq_len=3)
+    start = candidate(model, idx)
+    names = ["alpha", "energy_head.weight", "layers.0.ffn_norm.weight", "layers.0.attention.wq.weight"]
+    if model.config.time_embed:
+        names.append("time_embeddings.weight")
+    params = dict(model.descent.named_parameters())
+
+    def loss(*tensors):
+        return torch.func.functional_call(model.descent, dict(zip(names, tensors)), (idx, start, 2),
+                                          dict(targets=targets, learning=True)).loss
+
+    inputs = [params[n].detach().clone().requires_grad_() for n in names]
+    assert torch.autograd.gradcheck(loss, inputs, eps=1e-6, atol=1e-6, rtol=1e-4)
+
+
+def one_step_grads(model, idx, start, targets):
+    model.zero_grad()
+    model.descent(idx, start, 1, targets=targets, learning=True).loss.backward()
+    return param_grads(model)
+
+
+@pytest.mark.parametrize("detach", [True, False])
+def test_detach_between_steps_cuts_the_graph_between_steps(detach):
+    """With detach, the 2-step S1 loss (mean of the two steps' CE) has exactly the gradient of
+    two independent one-step problems: from the start, and from step 1's output as a constant.
+    Keeping the graph adds the path through step 1, so the equality must then fail."""
+    model = tiny(detach_between_steps=detach)
+    idx, targets = data(model)
+    start = candidate(model, idx)
+    model.zero_grad()
+    model.descent(idx, start, 2, targets=targets, learning=True).loss.backward()
+    both = param_grads(model)
+    after_one = model.descent(idx, start, 1).candidate
+    first, second = one_step_grads(model, idx, start, targets), one_step_grads(model, idx, after_one, targets)
+    separate = {n: (first[n] + second[n]) / 2 for n in first}
+    if detach:
+        assert_same_grads(both, separate)
+    else:
+        assert max((both[n] - separate[n]).abs().max() for n in both) > 1e-6
+
+
+def test_truncated_loss_comes_from_the_last_step_only():
+    """S2 truncation: the loss is the last step's cross entropy, and the parameters' gradient is
+    that of the last step alone, started from the previous steps' output as a constant (no
+    second-order graph through earlier steps). Without truncation both change."""
+    model = tiny(**{**S2_OPTIONS, "langevin_noise_std": 0.0, "alpha_randomize": 1.0})
+    idx, targets = data(model)
+    start = candidate(model, idx)
+    model.zero_grad()
+    result = model.descent(idx, start, 3, targets=targets, learning=True)
+    result.loss.backward()
+    truncated = param_grads(model)
+    last_ce = token_losses(result.candidate, targets).mean()
+    assert torch.allclose(result.loss, last_ce, atol=1e-12, rtol=0)
+    assert torch.allclose(result.loss, result.token_losses[-1].mean(), atol=1e-12, rtol=0)
+    before_last = model.descent(idx, start, 2).candidate
+    assert_same_grads(truncated, one_step_grads(model, idx, before_last, targets))
+
+    full = tiny(**{**S2_OPTIONS, "langevin_noise_std": 0.0, "alpha_randomize": 1.0, "truncate_loss": False})
+    mean_result = full.descent(idx, start, 3, targets=targets, learning=True)
+    assert torch.allclose(mean_result.loss, mean_result.token_losses.mean(), atol=1e-12, rtol=0)
+    assert abs(mean_result.loss - result.loss) > 1e-6
+
+
+# --- S1 / S2 randomisation, Langevin noise, replay buffer ---------------------------------
+
+def test_randomised_step_sizes_and_step_counts_cover_their_ranges():
+    model = tiny(**S2_OPTIONS).train()
+    torch.manual_seed(0)
+    scale = torch.cat([model.sample_alpha_scale(64, 8, torch.device("cpu")) for _ in range(20)])
+    assert scale.shape[1:] == (8, 1)
+    alpha = model.config.alpha * scale
+    assert alpha.min() >= 2.5 and alpha.max() <= 10.0  # [alpha / 2, 2 alpha], alpha = 5
+    assert alpha.min() < 2.55 and alpha.max() > 9.9 and 0.4 < (alpha < 6.25).float().mean() < 0.6
+    idx, targets = data(model)
+    counts = [model(idx, targets).diagnostics["loss_per_step"].numel() for _ in range(30)]
+    assert set(counts) == {2, 3}
+    model.eval()
+    assert model.sample_alpha_scale(4, 8, torch.device("cpu")) is None
+    assert {model(idx, targets).diagnostics["energy"].numel() for _ in range(3)} == {3}
+    assert tiny().train().sample_alpha_scale(4, 8, torch.device("cpu")) is None  # S1: fixed
+
+
+def test_langevin_noise_only_in_training():
+    noisy, quiet = tiny(langevin_noise_std=3.0), tiny()
+    idx, targets = data(noisy)
+    for model in (noisy, quiet):
+        model.eval()
+    assert torch.equal(noisy(idx, targets).logits, quiet(idx, targets).logits)
+    outs = []
+    for model in (noisy.train(), quiet.train()):
+        torch.manual_seed(5)
+        outs.append(model(idx, targets).logits)
+    assert (outs[0] - outs[1]).abs().max() > 1e-3
+
+
+def test_replay_buffer_stores_final_candidates_and_restarts_rows_from_them():
+    model = tiny(replay_buffer_size=5, replay_fraction=0.5).train()
+    idx, targets = data(model, batch=4)
+    out = model(idx, targets)
+    # the buffer starts empty: nothing was replayed, all 4 rows were stored in slots 0..3
+    assert model.replay_lengths.tolist() == [6, 6, 6, 6, 0] and model.replay_next.item() == 4
+    assert torch.equal(model.replay_tokens[:4, :6], idx) and torch.equal(model.replay_targets[:4, :6], targets)
+    assert torch.allclose(F.log_softmax(model.replay_candidates[:4, :6], -1), out.logits, atol=1e-12)
+
+    # restarted rows: 2 (= 0.5 x 4) stored rows, with their tokens, targets and final candidates
+    fresh = candidate(model, idx)
+    torch.manual_seed(0)
+    all_idx, all_targets, start = model.add_replay_rows(idx, targets, fresh)
+    assert all_idx.shape == (6, 6) and torch.equal(start[:4], fresh)
+    for row in range(4, 6):
+        slot = next(s for s in range(4) if torch.equal(model.replay_tokens[s, :6], all_idx[row]))
+        assert torch.equal(all_targets[row], model.replay_targets[slot, :6])
+        assert torch.equal(start[row], model.replay_candidates[slot, :6])
+    assert model.add_replay_rows(idx[:, :5], targets[:, :5], fresh[:, :5])[0].shape == (4, 5)  # other length
+
+    # the next batch is extended by replayed rows and wraps the ring (slots 4, 0, 1, 2)
+    out = model(idx.flip(0), targets.flip(0))
+    assert out.logits.shape == (4, 6, 11) and torch.isfinite(out.loss)
+    assert model.replay_next.item() == 3 and torch.equal(model.replay_tokens[4, :6], idx[3])
+    # part of the module state, so checkpoints carry it
+    restored = tiny(replay_buffer_size=5, replay_fraction=0.5)
+    restored.load_state_dict(model.state_dict())
+    assert torch.equal(restored.replay_candidates, model.replay_candidates)
+    model.eval()
+    before = model.replay_tokens.clone()
+    model(idx, targets)
+    assert torch.equal(model.replay_tokens, before)  # eval neither replays nor stores
+
+
+# --- observed-stream reuse, step conditioning, checkpointing -----------------------------
+
+def training_run(model, idx, targets):
+    model.zero_grad()
+    torch.manual_seed(11)
+    out = model(idx, targets)
+    out.loss.backward()
+    return out.loss.detach(), param_grads(model)
+
+
+@pytest.mark.parametrize("overrides", [{}, {**S2_OPTIONS, "replay_buffer_size": 4}])
+def test_observed_stream_reuse_equals_recompute(overrides):
+    idx, targets = data(tiny())
+    reuse_loss, reuse_grads = training_run(tiny(**overrides).train(), idx, targets)
+    loss, grads = training_run(tiny(reuse_observed_stream=False, **overrides).train(), idx, targets)
+    assert torch.allclose(reuse_loss, loss, atol=1e-12, rtol=0)
+    assert_same_grads(reuse_grads, grads)
+    think = [tiny(reuse_observed_stream=r, **overrides).think(idx, steps=4) for r in (True, False)]
+    assert torch.allclose(think[0].energies, think[1].energies, atol=1e-12, rtol=0)
+
+
+def test_step_conditioning_gives_each_step_its_own_energy_landscape():
+    model = tiny(n_steps=3, **STEP_CONDITIONED).train()
+    idx, targets = data(model)
+    loss, grads = training_run(model, idx, targets)
+    assert torch.isfinite(loss)
+    assert (grads["descent.time_embeddings.weight"].abs().sum(-1) > 0).all()  # every step's row
+    d = model.descent
+    probs = candidate(model, idx).softmax(-1)
+    energies = [d.energy(probs, d.observe(idx, step), 0) for step in (0, 1, 2, 5)]
+    assert (energies[0] - energies[1]).abs().max() > 1e-6
+    assert torch.equal(energies[2], energies[3])  # steps beyond n_steps reuse the last embedding
+
+
+@pytest.mark.parametrize("overrides", [{}, {**S2_OPTIONS, **STEP_CONDITIONED}])
+@pytest.mark.parametrize("mode", ["step", "block"])
+def test_activation_checkpointing_changes_nothing_but_memory(overrides, mode):
+    idx, targets = data(tiny())
+    loss, grads = training_run(tiny(**overrides).train(), idx, targets)
+    loss_ckpt, grads_ckpt = training_run(tiny(activation_checkpointing=mode, **overrides).train(), idx, targets)
+    assert torch.allclose(loss_ckpt, loss, atol=1e-12, rtol=0)
+    assert_same_grads(grads, grads_ckpt)
+
+
+# --- inference -----------------------------------------------------------------------------
+
+def test_eval_works_under_no_grad_and_builds_no_parameter_graph():
+    model = tiny().eval()
+    idx, targets = data(model)
+    with torch.no_grad():
+        out = model(idx, targets)
+    assert not out.loss.requires_grad and not out.logits.requires_grad
+    assert all(p.grad is None for p in model.parameters())
+    assert torch.equal(model(idx, targets).logits, out.logits)  # seeded: reproducible
+    assert torch.allclose(out.loss, out.diagnostics["loss_last_step"])
+
+
+def test_think_best_of_keeps_the_lowest_final_energy_and_generation_uses_the_last_row():
+    model = tiny(n_steps=2)
+    idx, targets = data(model)
+    single = model.think(idx, steps=3, targets=targets)
+    best = model.think(idx, steps=3, best_of=3, targets=targets)
+    assert single.energies.shape == (4, 2, 6) and single.loss_per_step.shape == (3,)
+    # per position, the chosen sample is the one of the 3 with the lowest final energy
+    start = model.initial_candidate(6, 6, idx.device, seeded=True)
+    samples = model.descent(idx.repeat(3, 1), start, 3, final_energy=True)
+    finals = samples.energies[-1].view(3, 2, 6)
+    assert torch.allclose(best.energies[-1], finals.min(0).values, atol=1e-12)
+    chosen = samples.candidate.view(3, 2, 6, -1).gather(0, finals.argmin(0)[None, ..., None].expand(1, 2, 6, 11))[0]
+    assert torch.allclose(best.logits, F.log_softmax(chosen, -1), atol=1e-12)
+    alone = model.descent(idx, model.initial_candidate(2, 6, idx.device, seeded=True), 3, final_energy=True)
+    assert torch.allclose(single.energies, alone.energies, atol=1e-12)
+    # the last row alone gives the same prediction as the whole sequence's last row
+    whole = model.descent(idx, start[:2], 2).candidate
+    assert torch.allclose(model.descent(idx, start[:2, -1:], 2).candidate[:, 0], whole[:, -1], atol=1e-12)
+    assert torch.equal(model.next_token_logits(idx), model.think(idx, last_only=True).logits[:, -1])
+    assert model.generate(idx[:, :3], max_new_tokens=4).shape == (2, 7)
+
+
+def test_more_thinking_steps_lower_the_energy_of_a_trained_tiny_ebt():
+    """Train a tiny EBT for a few seconds on a repetitive character corpus, then think with
+    1..4 steps: the mean energy must fall at every step, and the loss with it (System 2).
+    The candidate follows the energy's gradient w.r.t. its logits (the paper's pseudocode),
+    i.e. gradient descent on E(softmax(y)), which is what makes "more steps, lower energy" a
+    claim; trained with the S2 options (randomised 2..4 steps and step sizes, graph kept
+    through the steps, last-step loss) without step conditioning, so all steps share one
+    energy landscape and the energies are comparable."""
+    text = "the quick brown fox jumps over the lazy dog. " * 40
+    vocab = sorted(set(text))
+    corpus = torch.tensor([vocab.index(c) for c in text])
+    torch.manual_seed(0)
+    model = build(EBTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=32,
+                            n_steps=4, min_steps=2, alpha=500.0, alpha_learnable=False,
+                            alpha_randomize=2.0, detach_between_steps=False, truncate_loss=True,
+                            grad_wrt="logits"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+
+    def batch(starts):
+        return (torch.stack([corpus[s:s + 16] for s in starts]), torch.stack([corpus[s + 1:s + 17] for s in starts]))
+
+    model.train()
+    losses = []
+    for _ in range(120):
+        idx, targets = batch(torch.randint(0, len(corpus) - 17, (8,)))
+        loss = model(idx, targets).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    model.eval()
+    idx, targets = batch(range(0, 400, 25))
+    thought = model.think(idx, steps=4, targets=targets)
+    energy = thought.energies.mean(dim=(1, 2))
+    print("\nsteps   mean energy   loss")
+    print(f"{0:5d}   {energy[0]:11.5f}")
+    for step in range(1, 5):
+        print(f"{step:5d}   {energy[step]:11.5f}   {thought.loss_per_step[step - 1]:.4f}")
+    assert sum(losses[-10:]) / 10 < 0.85 * sum(losses[:10]) / 10  # it did train
+    assert (energy.diff() < 0).all()
+    assert (thought.loss_per_step.diff() < 0).all()
+
+
+# --- sizes, FLOPs, configuration ----------------------------------------------------------
+
+@pytest.mark.parametrize("flavor", ["ebt-s1-small", "ebt-s2-small"])
+def test_paper_scale_parameter_counts(flavor):
+    """12L/768/12h with two V x D tables at V=50304: about 126M (paper); the blocks alone
+    are 12 x 7 D^2 (SwiGLU hidden = D)."""
+    with torch.device("meta"):
+        model = build(resolve(flavor))
+    assert abs(model.num_params() / 126e6 - 1) < 0.01
+    assert abs(model.num_params(non_embedding=True) / (12 * 7 * 768 ** 2) - 1) < 0.001
+
+
+def test_flops_per_token_counts_what_each_option_computes():
+    with torch.device("meta"):
+        s1 = build(resolve("ebt-s1-small"))
+        reuse = build(resolve("ebt-s1-small", dict(time_embed=False, reuse_observed_stream=True)))
+        baseline = build(resolve("transformer_pp-small"))
+    ratio_reuse = reuse.flops_per_token(1024) / baseline.flops_per_token(1024)
+    ratio_recompute = s1.flops_per_token(1024) / baseline.flops_per_token(1024)
+    assert 4.4 < ratio_reuse < 5.0 < ratio_recompute < 6.0  # paper: 6.66x (full 2T forward per step)
+    # inference: the observed stream once and 2 P per step, a third of training (12 P + 3 O)
+    assert reuse.flops_per_token(1024, training=False) == pytest.approx(reuse.flops_per_token(1024) / 3)
+
+
+@pytest.mark.parametrize("field, value", [("grad_wrt", "energy"), ("min_steps", 3), ("alpha_randomize", 0.5),
+                                          ("reuse_observed_stream", True), ("activation_checkpointing", "layer")])
+def test_invalid_options_are_rejected_naming_the_field(field, value):
+    fields = dict(n_steps=2, time_embed=True, reuse_observed_stream=False)
+    fields[field] = value
+    with pytest.raises(ValueError, match=field):
+        EBTConfig(**fields)
+
+
+def test_optimizer_hints_and_zero3_leaf():
+    s1, s2 = tiny(), tiny(**S2_OPTIONS)
+    assert s1.lr_multipliers() == {"descent.alpha": 1500.0}
+    assert "descent.alpha" in dict(s1.named_parameters()) and "descent.alpha" in s1.no_weight_decay_names()
+    assert s2.lr_multipliers() == {} and "descent.alpha" in dict(s2.named_buffers())
+    assert s1.zero3_leaf_modules() == [EnergyDescent]
+    assert all(name.startswith("descent.") for name, _ in s1.named_parameters())
