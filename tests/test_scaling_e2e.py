@@ -38,7 +38,7 @@ def test_two_point_sweep_end_to_end(tmp_path, char_dataset, capsys):
         "name": "two", "base_config": str(base), "output_root": str(tmp_path / "runs"),
         "families": {"gpt": {"flavor": "gpt-tiny"}},
         "sizes": {"w16": {"n_embd": 16}, "w32": {"n_embd": 32}},
-        "tokens": {"fixed": [STEPS * BATCH * SEQ_LEN]}}))
+        "tokens": {"fixed": [STEPS * BATCH * SEQ_LEN]}, "threads_per_process": 1}))
     sweep_dir = tmp_path / "runs" / "two"
 
     assert main(["run", str(sweep_file)]) == 0

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from pathlib import Path
 
 from pretrain.scaling import launch, report
+from pretrain.scaling.experiments import EXPERIMENTS
 from pretrain.scaling.registry import load_registry
 from pretrain.scaling.sweep import load_sweep
 
@@ -33,24 +35,28 @@ def main(argv: list[str] | None = None) -> int:
     p_fit.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples")
     p_fit.add_argument("--seed", type=int, default=0, help="bootstrap seed")
 
+    p_exp = sub.add_parser("experiment", help="train and evaluate one of the papers' small "
+                                              "experiments (see pretrain/scaling/experiments)")
+    p_exp.add_argument("name", choices=EXPERIMENTS)
+
     args = parser.parse_args(argv)
     try:
-        return {"run": _run, "list": _list, "fit": _fit}[args.command](args)
-    except ValueError as err:
+        return {"run": _run, "list": _list, "fit": _fit, "experiment": _experiment}[args.command](args)
+    except (ValueError, launch.SweepFailed) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 
 
 def _run(args) -> int:
     sweep = load_sweep(args.sweep)
-    todo = launch.plan(sweep)
+    planned = launch.plan(sweep)
     if args.slurm:
-        script = launch.write_slurm_array(sweep, [path for _, path in todo])
+        script = launch.write_slurm_array(sweep, [p for _, p in launch.unfinished(sweep, planned)])
         print(f"job array written; submit with: bash {script}" if script else "nothing to submit")
         return 0
     if args.dry_run:
         return 0
-    rc = launch.run_locally(sweep, todo)
+    rc = launch.run_locally(sweep, planned)
     if rc == 0:
         print(f"all runs finished; fit with: python -m pretrain.scaling fit {sweep.directory}")
     return rc
@@ -98,6 +104,11 @@ def _fit(args) -> int:
     print(f"wrote {args.out}/fits.md, fits.csv, scaling.png; "
           f"tensorboard --logdir {args.out}/tb")
     return 0
+
+
+def _experiment(args) -> int:
+    module = importlib.import_module(f"pretrain.scaling.experiments.{args.name}")
+    return module.main()
 
 
 if __name__ == "__main__":

@@ -10,29 +10,41 @@ from pathlib import Path
 
 from pretrain.scaling.sweep import RunSpec, Sweep, expand, is_finished, write_run_configs
 
+class SweepFailed(RuntimeError):
+    """Some run of a sweep did not finish."""
+
+
 REQUEUE_EXIT_CODE = 75
 """The trainer's exit code after a preemption signal: the run saved a checkpoint to resume from."""
 
 
 def plan(sweep: Sweep) -> list[tuple[RunSpec, Path]]:
-    """Expand the sweep, write every run's config, print the plan; return the unfinished runs."""
+    """Expand the sweep, write every run's config and print the plan; return (run, config
+    path) for every run, finished or not."""
     runs = expand(sweep)
-    config_paths = write_run_configs(sweep, runs)
-    todo = [(r, p) for r, p in zip(runs, config_paths) if not is_finished(sweep, r)]
-    print(f"sweep {sweep.name}: {len(runs)} runs, {len(runs) - len(todo)} finished, "
-          f"{len(todo)} to run; configs in {sweep.directory / 'configs'}")
+    planned = list(zip(runs, write_run_configs(sweep, runs)))
+    n_done = sum(is_finished(sweep, r) for r in runs)
+    print(f"sweep {sweep.name}: {len(runs)} runs, {n_done} finished, {len(runs) - n_done} to "
+          f"run; configs in {sweep.directory / 'configs'}")
     for run in runs:
         state = "done" if is_finished(sweep, run) else "todo"
         print(f"  {state}  {run.run_name:<48} N={run.non_embedding_params:<10,d} "
               f"tokens={run.max_tokens:,d}")
-    return todo
+    return planned
 
 
-def run_locally(sweep: Sweep, todo: list[tuple[RunSpec, Path]]) -> int:
-    """Train the runs in order; returns 0 when all finished, the requeue code when one was
-    interrupted (the rest is left for the next call), 1 when some failed."""
+def unfinished(sweep: Sweep, planned: list[tuple[RunSpec, Path]]) -> list[tuple[RunSpec, Path]]:
+    return [(run, path) for run, path in planned if not is_finished(sweep, run)]
+
+
+def run_locally(sweep: Sweep, planned: list[tuple[RunSpec, Path]]) -> int:
+    """Train the unfinished runs in order; returns 0 when all finished, the requeue code when
+    one was interrupted (the rest is left for the next call), 1 when some failed."""
     failed = []
     env = {**os.environ, "NPROC_PER_NODE": str(sweep.nproc_per_node), "PYTHON": sys.executable}
+    if sweep.threads_per_process is not None:
+        env["OMP_NUM_THREADS"] = str(sweep.threads_per_process)
+    todo = unfinished(sweep, planned)
     for i, (run, config_path) in enumerate(todo, 1):
         resuming = (sweep.directory / run.run_name).exists()
         print(f"[{i}/{len(todo)}] {'resuming' if resuming else 'starting'} {run.run_name}",

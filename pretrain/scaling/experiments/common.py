@@ -1,0 +1,113 @@
+"""What the experiments share: training a sweep, loading a trained run, held-out losses,
+per-run result caching and the result files."""
+from __future__ import annotations
+
+import csv
+import io
+import json
+from itertools import islice
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from pretrain.scaling import launch
+from pretrain.scaling.registry import RunRecord
+from pretrain.scaling.sweep import RunSpec, Sweep, load_sweep
+
+EVAL_FILE = "experiment_eval.json"
+MODEL_FILE = "model.safetensors"
+
+
+def train_sweep(path: str) -> tuple[Sweep, list[tuple[RunSpec, RunRecord, Path]]]:
+    """Train the sweep's unfinished runs; return (spec, summary, run directory) of every run."""
+    sweep = load_sweep(path)
+    if sweep.threads_per_process is not None:  # the evaluation here runs like the runs did
+        torch.set_num_threads(sweep.threads_per_process)
+    planned = launch.plan(sweep)
+    rc = launch.run_locally(sweep, planned)
+    if rc != 0:
+        raise launch.SweepFailed(f"sweep {sweep.name} did not finish (exit code {rc}); "
+                           "rerun the same command to resume it")
+    runs = []
+    for run, _ in planned:
+        run_dir = sweep.directory / run.run_name
+        summary = json.loads((run_dir / "summary.json").read_text())
+        runs.append((run, RunRecord.from_dict(summary, str(run_dir)), run_dir))
+    return sweep, runs
+
+
+def trained_model(run_dir: Path) -> torch.nn.Module:
+    """The run's final weights in eval mode (exported once to RUN_DIR/model.safetensors)."""
+    from pretrain.export import export, load
+
+    path = run_dir / MODEL_FILE
+    if not path.is_file():
+        export(run_dir, path)
+    return load(path).eval()
+
+
+def cached(run_dir: Path, key: str, compute: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """`compute()` once per run and key; kept in RUN_DIR/experiment_eval.json, so rerunning an
+    experiment only evaluates runs it has not evaluated yet."""
+    path = run_dir / EVAL_FILE
+    results = json.loads(path.read_text()) if path.is_file() else {}
+    if key not in results:
+        results[key] = compute()
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(results, indent=2) + "\n")
+        tmp.replace(path)
+    return results[key]
+
+
+@torch.no_grad()
+def mean_loss(model: torch.nn.Module, data_dir: str, split: str, batches: int,
+              micro_batch_size: int) -> float:
+    """Mean next-token loss of `model` over the first `batches` micro-batches of `split` in a
+    fixed shuffled order (the same windows for every model)."""
+    from data_pipeline.loader import build_loader
+
+    loader = build_loader(data_dir, split, micro_batch_size=micro_batch_size, seed=0,
+                          shuffle=True, num_workers=0)
+    losses = [model(inputs, targets).loss.item() for inputs, targets in islice(loader, batches)]
+    return sum(losses) / len(losses)
+
+
+def write_results(sweep: Sweep, name: str, markdown: str, rows: list[dict[str, Any]],
+                  figure) -> Path:
+    """SWEEP_DIR/results/<name>.{md,csv,png}; returns the directory."""
+    import matplotlib.pyplot as plt
+
+    out = sweep.directory / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.md").write_text(markdown)
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, list(rows[0]), lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    (out / f"{name}.csv").write_text(buffer.getvalue())
+    figure.savefig(out / f"{name}.png", dpi=80)
+    plt.close(figure)
+    print(markdown)
+    print(f"wrote {out}/{name}.md, {name}.csv, {name}.png")
+    return out
+
+
+def markdown_table(rows: list[dict[str, Any]], formats: dict[str, str]) -> str:
+    """Rows as a Markdown table; `formats` maps a column to its format spec (e.g. ".3f")."""
+    columns = list(rows[0])
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        cells = [format(row[c], formats.get(c, "")) for c in columns]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def pyplot():
+    """matplotlib.pyplot on the file-only backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
