@@ -11,8 +11,11 @@ written as JSON Lines to a temporary directory. Each round measures, one after t
   loader   `build_loader` batches (2 workers) at micro-batch 4 of seq_len 64 and 1024
   train    one training step (forward, backward, AdamW) of `gpt-tiny` at micro-batch 4 x 64,
            with the GPT-2 vocabulary and with a character vocabulary (what tiny CPU runs do)
-and the medians over the rounds give the ratios, so a noisy neighbour hurts all alike.
-Targets: prepare/raw >= 0.8 (at seq_len 1024); loader >= 10x the fastest tiny training step.
+Medians over the rounds give the ratios. Besides tokens per wall-clock second, raw and prepare
+report tokens per CPU-second (this process and its children), which other jobs on a shared
+machine disturb much less. Targets: prepare/raw >= 0.8 (seq_len 1024); loader >= 10x the
+fastest tiny training step.
+
 `--memory` instead runs the command-line prepare on 1, 10 and 40 copies of the corpus in child
 processes and prints their peak resident memory. The MDS writer buffers one shard before writing
 it, so memory is bounded by the shard size, not the corpus: with 16 MB shards here, the peak must
@@ -23,12 +26,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 import torch
 
@@ -51,27 +56,35 @@ def write_corpus(directory: str, copies: int) -> tuple[str, list[str]]:
     return path, docs
 
 
-def raw_tokens_per_s(docs: list[str], threads: int) -> float:
-    start = time.perf_counter()
-    tokens = sum(map(len, gpt2_encoding().encode_ordinary_batch(docs, num_threads=threads)))
-    return (tokens + len(docs)) / (time.perf_counter() - start)  # + one EOT per document
+def cpu_seconds() -> float:
+    """CPU time of this process (all threads) and of its finished children."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
 
 
-def raw_numpy_tokens_per_s(docs: list[str], threads: int) -> float:
+def timed(work: Callable[[], int]) -> tuple[float, float]:
+    """(tokens per wall-clock second, tokens per CPU-second) of `work()`, which returns tokens."""
+    wall, cpu = time.perf_counter(), cpu_seconds()
+    tokens = work()
+    return tokens / (time.perf_counter() - wall), tokens / (cpu_seconds() - cpu)
+
+
+def raw_batch(docs: list[str], threads: int) -> int:
+    ids = gpt2_encoding().encode_ordinary_batch(docs, num_threads=threads)
+    return sum(map(len, ids)) + len(docs)  # + one EOT per document, as prepare stores
+
+
+def raw_numpy(docs: list[str], threads: int) -> int:
     encode = gpt2_encoding().encode_to_numpy
-    start = time.perf_counter()
     with ThreadPoolExecutor(threads) as pool:
-        tokens = sum(len(ids) for ids in pool.map(
-            lambda doc: encode(doc, disallowed_special=()), docs))
-    return (tokens + len(docs)) / (time.perf_counter() - start)
+        lengths = pool.map(lambda doc: len(encode(doc, disallowed_special=())), docs)
+        return sum(lengths) + len(docs)
 
 
-def prepare_tokens_per_s(corpus: str, out: str, seq_len: int, num_proc: int) -> float:
-    start = time.perf_counter()
+def prepared(corpus: str, out: str, seq_len: int, num_proc: int) -> int:
     manifest = prepare(f"jsonl:{corpus}", out, seq_len=seq_len, num_proc=num_proc,
                        overwrite=True, progress_bar=False)
-    elapsed = time.perf_counter() - start
-    return sum(split["tokens"] for split in manifest["splits"].values()) / elapsed
+    return sum(split["tokens"] for split in manifest["splits"].values())
 
 
 def loader_tokens_per_s(data_dir: str, micro_batch_size: int) -> float:
@@ -144,40 +157,49 @@ def main() -> None:
         peak_memory([1, 10, 40], args.num_proc)
         return
     torch.set_num_threads(args.num_proc)
+    procs = args.num_proc
     with tempfile.TemporaryDirectory() as tmp:
         corpus, docs = write_corpus(tmp, args.copies)
         megabytes = sum(len(d.encode("utf-8")) for d in docs) / 1e6
         print(f"corpus: {len(docs)} documents, {megabytes:.1f} MB; {os.cpu_count()} CPUs, "
-              f"num_proc {args.num_proc}, {args.rounds} rounds (median reported)")
-        measurements = {
-            "raw encode_ordinary_batch": lambda: raw_tokens_per_s(docs, args.num_proc),
-            "raw encode_to_numpy": lambda: raw_numpy_tokens_per_s(docs, args.num_proc),
-            "prepare seq_len 1024": lambda: prepare_tokens_per_s(
-                corpus, os.path.join(tmp, "ds1024"), 1024, args.num_proc),
-            "prepare seq_len 64": lambda: prepare_tokens_per_s(
-                corpus, os.path.join(tmp, "ds64"), 64, args.num_proc),
-            "loader 4 x 1024": lambda: loader_tokens_per_s(os.path.join(tmp, "ds1024"), 4),
-            "loader 4 x 64": lambda: loader_tokens_per_s(os.path.join(tmp, "ds64"), 4),
+              f"num_proc {procs}, {args.rounds} rounds (median reported)")
+        path = {seq_len: os.path.join(tmp, f"ds{seq_len}") for seq_len in (1024, 64)}
+        tokenizing = {  # name -> work returning tokens; timed in wall and CPU seconds
+            "raw encode_ordinary_batch": lambda: raw_batch(docs, procs),
+            "raw encode_to_numpy": lambda: raw_numpy(docs, procs),
+            "prepare seq_len 1024": lambda: prepared(corpus, path[1024], 1024, procs),
+            "prepare seq_len 64": lambda: prepared(corpus, path[64], 64, procs),
+        }
+        reading = {  # name -> tokens per wall-clock second
+            "loader 4 x 1024": lambda: loader_tokens_per_s(path[1024], 4),
+            "loader 4 x 64": lambda: loader_tokens_per_s(path[64], 4),
             "train gpt-tiny 4 x 64, GPT-2 vocab": lambda: train_tokens_per_s(50304, 4, 64),
             "train gpt-tiny 4 x 64, char vocab": lambda: train_tokens_per_s(128, 4, 64),
         }
-        results: dict[str, list[float]] = {name: [] for name in measurements}
+        wall: dict[str, list[float]] = {name: [] for name in [*tokenizing, *reading]}
+        cpu: dict[str, list[float]] = {name: [] for name in tokenizing}
         for _ in range(args.rounds):
-            for name, measure in measurements.items():
-                results[name].append(measure())
-    median = {name: statistics.median(values) for name, values in results.items()}
-    for name, value in median.items():
-        spread = f"{min(results[name]):,.0f}-{max(results[name]):,.0f}"
-        print(f"{name:40s} {value:>12,.0f} tokens/s   (range {spread})")
-    raw = median["raw encode_ordinary_batch"]
-    fastest_train = max(median["train gpt-tiny 4 x 64, GPT-2 vocab"],
-                        median["train gpt-tiny 4 x 64, char vocab"])
-    print(f"prepare/raw at seq_len 1024: {median['prepare seq_len 1024'] / raw:.2f} "
-          f"(target >= 0.8); at seq_len 64: {median['prepare seq_len 64'] / raw:.2f}; "
-          f"against raw encode_to_numpy: "
-          f"{median['prepare seq_len 1024'] / median['raw encode_to_numpy']:.2f}")
+            for name, work in tokenizing.items():
+                per_wall, per_cpu = timed(work)
+                wall[name].append(per_wall)
+                cpu[name].append(per_cpu)
+            for name, measure in reading.items():
+                wall[name].append(measure())
+    med = {name: statistics.median(values) for name, values in wall.items()}
+    med_cpu = {name: statistics.median(values) for name, values in cpu.items()}
+    for name, value in med.items():
+        per_cpu = f"{med_cpu[name]:>12,.0f} per CPU-s" if name in med_cpu else " " * 22
+        print(f"{name:36s} {value:>12,.0f} tokens/s {per_cpu}   (wall range "
+              f"{min(wall[name]):,.0f}-{max(wall[name]):,.0f})")
+    for reference in ("raw encode_ordinary_batch", "raw encode_to_numpy"):
+        print(f"prepare/{reference}: " + ", ".join(
+            f"seq_len {n}: {med[f'prepare seq_len {n}'] / med[reference]:.2f} wall, "
+            f"{med_cpu[f'prepare seq_len {n}'] / med_cpu[reference]:.2f} CPU" for n in (1024, 64))
+            + ("  (target >= 0.8 at 1024)" if reference.endswith("batch") else ""))
+    fastest_train = max(med["train gpt-tiny 4 x 64, GPT-2 vocab"],
+                        med["train gpt-tiny 4 x 64, char vocab"])
     print(f"loader 4 x 64 / fastest tiny training step: "
-          f"{median['loader 4 x 64'] / fastest_train:.1f}x (target >= 10x)")
+          f"{med['loader 4 x 64'] / fastest_train:.1f}x (target >= 10x)")
 
 
 if __name__ == "__main__":
