@@ -1,7 +1,13 @@
 """EBT: the two-stream attention and the energy against an explicit 2T-sequence reference, no
 leakage, second-order gradients (gradcheck), the S1 / S2 option semantics, observed-stream
 reuse, activation checkpointing, thinking on a trained model, and the paper-scale sizes."""
+import json
 import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -470,3 +476,25 @@ def test_optimizer_hints_and_zero3_leaf():
     assert s2.lr_multipliers() == {} and "descent.alpha" in dict(s2.named_buffers())
     assert s1.zero3_leaf_modules() == [EnergyDescent]
     assert all(name.startswith("descent.") for name, _ in s1.named_parameters())
+
+
+def test_zero3_gives_the_zero2_losses_through_the_second_order_descent(tmp_path):
+    """Two processes, DeepSpeed ZeRO-2 then ZeRO-3 (the descent a leaf module): the same
+    per-step losses for S1 with step-checkpointed descent and for S2 (keep graph, truncation,
+    replay buffer, Langevin noise)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    repo = Path(__file__).resolve().parent.parent
+    out = tmp_path / "losses.json"
+    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                          "--master_addr=127.0.0.1", f"--master_port={port}",
+                          str(repo / "tests" / "ebt_zero_worker.py"), str(out)],
+                         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    losses = json.loads(out.read_text())
+    for recipe in ("s1-step-checkpointed", "s2"):
+        zero2, zero3 = losses[f"{recipe}/zero2"], losses[f"{recipe}/zero3"]
+        assert len(zero2) == 3 and zero2[-1] < zero2[0]
+        assert zero3 == pytest.approx(zero2, rel=1e-5), recipe

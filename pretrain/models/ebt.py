@@ -231,7 +231,8 @@ class EnergyDescent(nn.Module):
         self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.norm = RMSNorm(D, config.norm_eps)
         self.energy_head = nn.Linear(D, 1, bias=False)
-        alpha = torch.tensor(float(config.alpha))
+        # shape [1], not 0-d: DeepSpeed broadcasts parameters as byte views, which 0-d tensors refuse
+        alpha = torch.tensor([float(config.alpha)])
         if config.alpha_learnable:
             self.alpha = nn.Parameter(alpha)
         else:
@@ -241,10 +242,13 @@ class EnergyDescent(nn.Module):
         positions = torch.arange(first_position, first_position + length, device=like.device)
         return rotary_tables(positions, self.config.head_dim, self.config.rope_theta, like.dtype)
 
-    def observe(self, idx: torch.Tensor, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def observe(self, idx: torch.Tensor, step: int,
+                anchor: torch.Tensor | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, the rotated keys and values [B, H, T (+1), hd] of the observed stream:
         causal attention over the observed tokens (after the step embedding, if any)."""
         x = self.tok_embeddings(idx)
+        if anchor is not None:
+            x = x + anchor.sum()  # adds 0; see `forward`
         if self.time_embeddings is not None:
             step_index = idx.new_full((idx.size(0), 1), min(step, self.config.n_steps - 1))
             x = torch.cat([self.time_embeddings(step_index), x], dim=1)
@@ -301,13 +305,19 @@ class EnergyDescent(nn.Module):
         return y, energy.detach(), losses
 
     def forward(self, idx: torch.Tensor, candidate: torch.Tensor, n_steps: int,
-                targets: torch.Tensor | None = None, alpha_scale: torch.Tensor | None = None,
-                noise_std: float = 0.0, learning: bool = False,
-                final_energy: bool = False) -> DescentResult:
+                anchor: torch.Tensor | None = None, targets: torch.Tensor | None = None,
+                alpha_scale: torch.Tensor | None = None, noise_std: float = 0.0,
+                learning: bool = False, final_energy: bool = False) -> DescentResult:
         """Descend `n_steps` from `candidate` [B, R, V], the initial logits of the last R
         positions of `idx` [B, T] (R = T for a whole sequence). `targets` [B, R] gives the
         per-step losses; `alpha_scale` [B, R, 1] multiplies the step size; `learning` builds the
-        second-order graph; `final_energy` also scores the final candidate."""
+        second-order graph; `final_energy` also scores the final candidate.
+
+        `anchor`, in training, is an empty tensor that requires grad, added (as 0) to the
+        observed embeddings, so its gradient is the last one the backward computes. DeepSpeed
+        ZeRO-3 reduces a leaf module's parameter gradients in a full backward hook, which fires
+        once the gradients of the module's positional tensor inputs exist, and at once, before
+        any parameter gradient, when none requires grad (token ids and noise do not)."""
         cfg = self.config
         alpha = self.alpha.clamp(min=MIN_ALPHA)
         if alpha_scale is not None:
@@ -315,7 +325,7 @@ class EnergyDescent(nn.Module):
         observed = None
         if cfg.reuse_observed_stream:
             with torch.set_grad_enabled(learning):
-                observed = self.observe(idx, 0)
+                observed = self.observe(idx, 0, anchor)
         checkpointed = learning and cfg.activation_checkpointing == "step"
         keep_graph = learning and not cfg.detach_between_steps
         first_row = idx.size(1) - candidate.size(1)
@@ -327,7 +337,7 @@ class EnergyDescent(nn.Module):
                     with torch.set_grad_enabled(learning):
                         # checkpointed apart from the step: inside it, the step's autograd.grad
                         # would recompute and keep these activations until the backward
-                        step_observed = maybe_checkpoint(checkpointed, self.observe, idx, t)
+                        step_observed = maybe_checkpoint(checkpointed, self.observe, idx, t, anchor)
                 second_order = learning and (t == n_steps - 1 or not cfg.truncate_loss)
                 if checkpointed:
                     settings = (first_row, noise_std, second_order, keep_graph, 2 * len(step_observed))
@@ -350,7 +360,8 @@ class EnergyDescent(nn.Module):
             step_means = [step_losses.sum() / n_valid for step_losses in losses]
             loss = step_means[-1] if cfg.truncate_loss else torch.stack(step_means).mean()
             per_step = torch.stack(losses).detach()
-        return DescentResult(y.detach(), torch.stack(energies), per_step, loss, self.alpha.detach().clamp(min=MIN_ALPHA))
+        return DescentResult(y.detach(), torch.stack(energies), per_step, loss,
+                             self.alpha.detach().clamp(min=MIN_ALPHA).squeeze(0))
 
 
 class ThinkOutput(NamedTuple):
@@ -449,11 +460,13 @@ class EBT(LanguageModel):
         all_idx, all_targets = idx, targets
         if replay:
             all_idx, all_targets, candidate = self.add_replay_rows(idx, targets, candidate)
+        learning = self.training and torch.is_grad_enabled()
+        anchor = torch.zeros(0, device=idx.device, requires_grad=True) if learning else None
         result = self.descent(
-            all_idx, candidate, self.sample_num_steps(), targets=all_targets,
+            all_idx, candidate, self.sample_num_steps(), anchor, targets=all_targets,
             alpha_scale=self.sample_alpha_scale(all_idx.size(0), T, idx.device),
             noise_std=cfg.langevin_noise_std if self.training else 0.0,
-            learning=self.training and torch.is_grad_enabled())
+            learning=learning)
         if replay:
             self.store_replay_rows(idx, targets, result.candidate[:B])
         diagnostics = {"energy": result.energies.mean(dim=(1, 2)), "alpha": result.alpha}

@@ -1,0 +1,55 @@
+"""Worker of test_models_ebt.py's DeepSpeed test, run under `torchrun --nproc_per_node=2`:
+trains a tiny EBT (S1, step-checkpointed descent, and S2) for a few steps under ZeRO-2 and
+ZeRO-3 in the same two processes and writes every step's loss, per stage and recipe, to the
+JSON file named by argv[1] (rank 0)."""
+import json
+import sys
+
+import deepspeed
+import torch
+from deepspeed.utils import set_z3_leaf_modules
+
+from pretrain.models import build, resolve
+
+RECIPES = {
+    "s1-step-checkpointed": ("ebt-tiny", dict(activation_checkpointing="step")),
+    "s2": ("ebt-s2-tiny", dict(min_steps=0)),  # fixed step count: the same work on both ranks
+}
+SHAPE = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16)
+
+
+def train(flavor: str, overrides: dict, stage: int, rank: int) -> list[float]:
+    torch.manual_seed(0)
+    model = build(resolve(flavor, {**SHAPE, **overrides}))
+    if stage == 3:
+        set_z3_leaf_modules(model, model.zero3_leaf_modules())
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
+              "steps_per_print": 2**31 - 1}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    torch.manual_seed(100 + rank)  # each rank its own data and candidate noise, the same per stage
+    losses = []
+    for _ in range(3):
+        tokens = torch.randint(0, SHAPE["vocab_size"], (4, 17))
+        loss = engine(tokens[:, :-1], tokens[:, 1:]).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def main() -> None:
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = torch.distributed.get_rank()
+    results = {f"{name}/zero{stage}": train(flavor, overrides, stage, rank)
+               for name, (flavor, overrides) in RECIPES.items() for stage in (2, 3)}
+    if rank == 0:
+        with open(sys.argv[1], "w") as f:
+            json.dump(results, f)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
