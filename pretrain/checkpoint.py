@@ -16,8 +16,8 @@ import json
 import os
 import random
 import shutil
+import sys
 import time
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -48,13 +48,17 @@ def list_checkpoints(ckpt_dir: Path) -> list[Path]:
 
 
 def newest_complete(ckpt_dir: Path) -> Path | None:
-    """The newest complete checkpoint, warning about newer incomplete ones it skips."""
+    """The newest complete checkpoint, warning (on rank 0) about newer incomplete ones it skips."""
     for tag_dir in reversed(list_checkpoints(ckpt_dir)):
         if is_complete(tag_dir):
             return tag_dir
-        warnings.warn(f"skipping incomplete checkpoint {tag_dir} (its write was interrupted)",
-                      stacklevel=2)
+        _warn(f"skipping incomplete checkpoint {tag_dir} (its write was interrupted)")
     return None
+
+
+def _warn(message: str) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def find_checkpoint(resume: str, ckpt_dir: Path) -> Path | None:
@@ -134,8 +138,8 @@ def load(engine, tag_dir: Path) -> tuple[dict, dict | None]:
         raise RuntimeError(f"DeepSpeed could not load checkpoint {tag_dir}")
     rank_file = rank_state_file(tag_dir, dist.get_rank())
     if not rank_file.exists():
-        warnings.warn(f"{rank_file.name} missing in {tag_dir} (saved with another world size?): "
-                      "this rank's random streams restart from the seed", stacklevel=2)
+        _warn(f"{rank_file.name} missing in {tag_dir} (saved with another world size?): "
+              "the random streams of rank(s) without one restart from the seed")
         return client_state, None
     rank_state = torch.load(rank_file, weights_only=False)
     restore_rng(rank_state.pop("rng"))

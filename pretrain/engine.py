@@ -7,7 +7,7 @@ import socket
 
 import torch
 
-from pretrain.config import RunConfig, gradient_accumulation_steps
+from pretrain.config import ConfigError, RunConfig, gradient_accumulation_steps
 
 
 def distributed_env() -> tuple[int, int, int]:
@@ -20,18 +20,32 @@ def distributed_env() -> tuple[int, int, int]:
     if "RANK" not in env and "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_NTASKS"]
         env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+        env["LOCAL_WORLD_SIZE"] = str(_slurm_tasks_on_this_node(env))
     env.setdefault("RANK", "0")
     env.setdefault("WORLD_SIZE", "1")
     env.setdefault("LOCAL_RANK", "0")
+    # streaming elects one process per node to set up shared memory from these
+    env.setdefault("LOCAL_WORLD_SIZE", "1")
     env.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in env:
         if env["WORLD_SIZE"] != "1":
-            raise RuntimeError("MASTER_PORT is not set for a multi-process run; use torchrun or "
-                               "launch/slurm.sbatch, which set it")
+            raise ConfigError("MASTER_PORT is not set for a multi-process run; use torchrun or "
+                              "launch/slurm.sbatch, which set it")
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             env["MASTER_PORT"] = str(s.getsockname()[1])
     return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"])
+
+
+def _slurm_tasks_on_this_node(env) -> int:
+    """Tasks of this job step on this node, from Slurm's compact "2(x3),1" per-node list."""
+    counts = []
+    for part in env.get("SLURM_STEP_TASKS_PER_NODE", env.get("SLURM_TASKS_PER_NODE", "")).split(","):
+        if part:
+            count, _, repeat = part.partition("(x")
+            counts += [int(count)] * int(repeat.rstrip(")") or 1)
+    node = int(env.get("SLURM_NODEID", "0"))
+    return counts[node] if node < len(counts) else int(env["SLURM_NTASKS"])
 
 
 def deepspeed_config(cfg: RunConfig, world_size: int, precision: str) -> dict:
@@ -56,7 +70,8 @@ def deepspeed_config(cfg: RunConfig, world_size: int, precision: str) -> dict:
         "train_batch_size": cfg.train.global_batch_size,
         "train_micro_batch_size_per_gpu": cfg.data.micro_batch_size,
         "gradient_accumulation_steps": gradient_accumulation_steps(cfg, world_size),
-        "gradient_clipping": cfg.optimizer.grad_clip,
+        # without ZeRO, optim.GuardedAdamW clips (DeepSpeed's clipping would precede its check)
+        "gradient_clipping": cfg.optimizer.grad_clip if zero.stage > 0 else 0.0,
         "zero_optimization": zero_json,
         "bf16": {"enabled": precision == "bf16", "check_grad_overflow": True},
         "fp16": {"enabled": precision == "fp16"},

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from pretrain.config import ConfigError, OptimizerSection, ScheduleSection
+from pretrain.config import ConfigError, OptimizerSection, ScheduleSection, ZeroSection
 
 
 @dataclass
@@ -62,12 +62,41 @@ def param_groups(model: nn.Module, opt: OptimizerSection) -> tuple[list[dict], l
     return groups, infos
 
 
-def build_optimizer(groups: list[dict], opt: OptimizerSection, offload: bool) -> torch.optim.Optimizer:
-    """AdamW; DeepSpeed's CPU Adam when the optimizer step is offloaded to the CPU."""
+class GuardedAdamW(torch.optim.AdamW):
+    """AdamW that clips the global gradient norm itself and skips its update when that norm is
+    not finite, for training without ZeRO: DeepSpeed then applies whatever gradients it has,
+    while the ZeRO optimizers clip and skip on their own. It reports like them (`overflow`,
+    `_global_grad_norm`, read by the DeepSpeed engine). The gradients are all-reduced before the
+    step, so every rank takes the same decision."""
+
+    def __init__(self, groups: list[dict], max_grad_norm: float, **kwargs):
+        super().__init__(groups, **kwargs)
+        self.max_grad_norm = max_grad_norm
+        self.overflow = False
+        self._global_grad_norm = None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        self._global_grad_norm = norm.item()
+        self.overflow = not math.isfinite(self._global_grad_norm)
+        if self.overflow:
+            return None
+        if self.max_grad_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, norm)
+        return super().step(closure)
+
+
+def build_optimizer(groups: list[dict], opt: OptimizerSection, zero: ZeroSection) -> torch.optim.Optimizer:
+    """AdamW: DeepSpeed's CPU Adam when the optimizer step is offloaded to the CPU, the guarded
+    AdamW without ZeRO (stage 0), torch's AdamW under the ZeRO optimizers."""
     kwargs = dict(lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
-    if offload:
+    if zero.offload_optimizer:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
         return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
+    if zero.stage == 0:
+        return GuardedAdamW(groups, max_grad_norm=opt.grad_clip, **kwargs)
     return torch.optim.AdamW(groups, **kwargs)
 
 

@@ -14,6 +14,7 @@ Exit codes: 0 done, 2 bad configuration or data, 1 an unrecoverable training err
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import os
 import platform
@@ -94,8 +95,8 @@ class Trainer:
         self.session_tokens = 0
         # preemption: finish the step, save, exit with EXIT_PREEMPTED
         self.stop_signal = 0
-        for signum in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(signum, self._on_signal)
+        self.previous_handlers = {signum: signal.signal(signum, self._on_signal)
+                                  for signum in (signal.SIGTERM, signal.SIGUSR1)}
 
     def _on_signal(self, signum, frame) -> None:
         self.stop_signal = signum
@@ -129,10 +130,8 @@ class Trainer:
         self._seed_rank()
 
         groups, self.group_infos = param_groups(model, cfg.optimizer)
-        optimizer = build_optimizer(groups, cfg.optimizer, offload=cfg.zero.offload_optimizer)
+        optimizer = build_optimizer(groups, cfg.optimizer, cfg.zero)
         self.engine = initialize(model, optimizer, deepspeed_config(cfg, self.world_size, self.precision))
-        # ZeRO optimizers skip non-finite updates themselves; for the others we check first.
-        self.check_grads_ourselves = not hasattr(self.engine.optimizer, "overflow")
 
         self.loader = build_loader(data.path, "train", micro_batch_size=data.micro_batch_size,
                                    seed=cfg.seed, shuffle=True, num_workers=data.num_workers,
@@ -195,7 +194,7 @@ class Trainer:
         self.state.wall_time_s, self.session_start = self._wall_time(), time.perf_counter()
         checkpoint.save(self.engine, self.ckpt_dir, self.state.step, self._client_state(),
                         self._rank_state(), keep=self.cfg.checkpoint.keep,
-                        marker={"config": to_dict(self.cfg)})
+                        marker={"config": to_dict(self.cfg), "model_config": asdict(self.model_config)})
         self.metrics.print(f"saved checkpoint {checkpoint.tag_for(self.state.step)}")
 
     def _rank_state(self) -> dict:
@@ -315,7 +314,6 @@ class Trainer:
         nonfinite = torch.zeros((), device=self.device)
         data_wait = 0.0
         diagnostics = {}
-        grad_norm = None
         for micro in range(self.grad_accum):
             t0 = time.perf_counter()
             inputs, targets = next(self.batches)
@@ -331,37 +329,23 @@ class Trainer:
             # A non-finite loss must make the gradients non-finite too (they may not be, e.g.
             # for a NaN added outside the graph), so that ZeRO's check skips the update.
             engine.backward(loss * torch.where(finite, 1.0, math.nan))
-            if last_micro:
-                if self.check_grads_ourselves:
-                    grad_norm = self._check_grads()
-                if log_now and self.rank == 0:
-                    diagnostics = diagnostic_scalars(out.diagnostics)
+            if last_micro and log_now and self.rank == 0:
+                diagnostics = diagnostic_scalars(out.diagnostics)
             engine.step()
 
         stop_requested = torch.tensor(float(self.stop_signal != 0), device=self.device)
         stats = torch.stack([loss_sum, nonfinite, stop_requested])
         dist.all_reduce(stats)
         loss_total, nonfinite_total, stop = stats.tolist()
-        applied = engine.was_step_applied() and not (self.check_grads_ourselves and grad_norm is None)
-        if grad_norm is None and applied and engine.get_global_grad_norm() is not None:
-            grad_norm = float(engine.get_global_grad_norm())
+        # every optimizer skips an update with non-finite gradients on all ranks (ZeRO's own
+        # check, or optim.GuardedAdamW without ZeRO) and says so through was_step_applied
+        applied = engine.was_step_applied()
+        grad_norm = float(engine.get_global_grad_norm()) if applied and engine.get_global_grad_norm() is not None else None
         # fp16 loss scaling skips overflowing steps by design; those are not faults
         skipped_by_fault = nonfinite_total > 0 or (not applied and self.precision != "fp16")
         return {"loss": loss_total / (self.grad_accum * self.world_size), "nonfinite": skipped_by_fault,
                 "grad_norm": grad_norm, "lrs": lrs, "data_wait_s": data_wait,
                 "diagnostics": diagnostics, "stop": stop > 0}
-
-    def _check_grads(self) -> float | None:
-        """Without ZeRO, DeepSpeed applies whatever gradients it has: check the (all-reduced,
-        so identical on every rank) gradients first and drop them when not finite, which makes
-        the optimizer skip every parameter. Returns the gradient norm, None when dropped."""
-        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads).item()
-        if math.isfinite(norm):
-            return norm
-        for p in self.engine.module.parameters():
-            p.grad = None
-        return None
 
     def _maybe_inject_fault(self, loss: torch.Tensor, step: int) -> torch.Tensor:
         """Test-only (config section `fault`): NaN loss on one rank, once per listed step."""
@@ -385,6 +369,16 @@ class Trainer:
                            f"at most {self.cfg.train.max_reloads})")
         self._load(tag_dir, reload=True)
         self.metrics.scalars(self.state.step, {"train/reloads": self.state.reloads})
+
+    def close(self) -> None:
+        """Stop the data loader workers and release streaming's shared memory now rather than
+        whenever garbage collection gets to it, so that a next run in the same process starts
+        clean; restore the signal handlers."""
+        for name in ("batches", "loader", "val_loader", "engine"):
+            self.__dict__.pop(name, None)
+        gc.collect()
+        for signum, handler in self.previous_handlers.items():
+            signal.signal(signum, handler)
 
     # --- evaluation and summary -----------------------------------------------------------
 
@@ -442,8 +436,11 @@ def _peak_memory_gb(on_gpu: bool) -> float:
 def run(cfg: RunConfig) -> int:
     """Train `cfg` in this process (one rank of the job); returns the exit code."""
     trainer = Trainer(cfg)
-    trainer.setup()
-    return trainer.train()
+    try:
+        trainer.setup()
+        return trainer.train()
+    finally:
+        trainer.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -455,8 +452,8 @@ def main(argv: list[str] | None = None) -> int:
     from data_pipeline.sources import DataError
 
     try:
-        cfg = load_config(args.config, args.overrides)
         _, world_size, _ = distributed_env()
+        cfg = load_config(args.config, args.overrides)
         validate(cfg, world_size, torch.cuda.is_available())
         code = run(cfg)
     except (ConfigError, DataError, NonFiniteError) as e:

@@ -189,6 +189,8 @@ def test_deepspeed_json_follows_the_config(minimal):
     assert ds["gradient_clipping"] == 0.5
     assert not ds["bf16"]["enabled"] and not ds["fp16"]["enabled"]
     assert deepspeed_config(cfg, 1, "bf16")["bf16"]["enabled"]
+    # without ZeRO the guarded AdamW clips (after its non-finite check), not DeepSpeed
+    assert deepspeed_config(load_config(minimal, ["zero.stage=0"]), 1, "fp32")["gradient_clipping"] == 0
     offload = deepspeed_config(load_config(minimal, ["zero.offload_optimizer=true"]), 1, "fp32")
     assert offload["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
 
@@ -261,3 +263,29 @@ def test_peak_table():
     assert peak_tflops("NVIDIA H200") == 989.0
     assert peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0
     assert peak_tflops(None) is None and peak_tflops("Some Future GPU") is None
+
+
+def test_guarded_adamw_skips_non_finite_and_clips_like_torch():
+    torch.manual_seed(0)
+    weights = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(3))]
+    reference = [torch.nn.Parameter(w.detach().clone()) for w in weights]
+    guarded = optim.GuardedAdamW([{"params": weights}], max_grad_norm=0.5, lr=0.1, weight_decay=0.1)
+    plain = torch.optim.AdamW([{"params": reference}], lr=0.1, weight_decay=0.1)
+    for step in range(3):
+        grads = [torch.randn_like(w) * 3 for w in weights]
+        if step == 1:
+            grads[1][0] = math.nan
+        for w, r, g in zip(weights, reference, grads):
+            w.grad, r.grad = g.clone(), g.clone()
+        before = [w.detach().clone() for w in weights]
+        guarded.step()
+        if step == 1:  # skipped: weights and optimizer state untouched
+            assert guarded.overflow and math.isnan(guarded._global_grad_norm)
+            assert all(torch.equal(b, w) for b, w in zip(before, weights))
+            continue
+        norm = torch.nn.utils.clip_grad_norm_(reference, 0.5)
+        plain.step()
+        assert not guarded.overflow and guarded._global_grad_norm == pytest.approx(norm.item())
+        assert torch.nn.utils.get_total_norm([w.grad for w in weights]).item() == pytest.approx(0.5)
+        assert all(torch.allclose(w, r) for w, r in zip(weights, reference))
+    assert guarded.state[weights[0]]["step"] == 2
