@@ -20,6 +20,8 @@ Choices that are not streaming's defaults, and why:
 from __future__ import annotations
 
 import atexit
+import contextlib
+import fcntl
 import json
 import os
 import tempfile
@@ -36,6 +38,8 @@ READY_AHEAD = 4096
 """Streaming's `predownload`: how many samples its background threads run ahead of the reader.
 Its default (8 micro-batches) caps a worker at about that many samples per 7 ms polling tick,
 a few thousand windows per second; local shards cost nothing to "download" ahead."""
+PREFIX_LOCK = "data_pipeline_streaming_prefix.lock"
+"""Lock file (in the temp dir) serializing streaming's shared-memory registration per machine."""
 MAX_CANONICAL_NODES = 64
 """Upper bound on canonical nodes (streaming's usual value for its py1e shuffle)."""
 MIN_WINDOWS_PER_CANONICAL_NODE = 64
@@ -96,6 +100,29 @@ def _remove_filelocks(shm_prefix: int) -> None:
             os.remove(os.path.join(tempfile.gettempdir(), f"{shm_prefix:06}_{name}"))
         except FileNotFoundError:
             pass
+
+
+@contextlib.contextmanager
+def _registration_turn():
+    """Hold this machine's turn to register a streaming dataset's shared memory.
+
+    Streaming picks the first free shared-memory prefix, then the job's local leader creates it;
+    two jobs starting together can pick the same prefix and one fails (FileExistsError). Each
+    job's local rank 0 holds a machine-wide lock for the whole registration, and the job's other
+    ranks look up the prefix while it is held, so registrations never interleave.
+    """
+    if int(os.environ.get("LOCAL_RANK", "0")) != 0:
+        lock = None
+    else:
+        lock = open(os.path.join(tempfile.gettempdir(), PREFIX_LOCK), "a")
+        fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.barrier()  # the other ranks start once local rank 0 has the lock
+        yield
+    finally:
+        if lock is not None:
+            lock.close()
 
 
 class WindowDataset(streaming.StreamingDataset):
@@ -187,11 +214,12 @@ def build_loader(data_dir: str, split: str, *, micro_batch_size: int, seed: int,
                         f"global batch ({micro_batch_size} x {world_size} ranks)")
     if verify and int(os.environ.get("LOCAL_RANK", "0")) == 0:
         verify_split(split_dir)
-    dataset = WindowDataset(
-        local=split_dir, batch_size=micro_batch_size, shuffle=shuffle, shuffle_seed=seed,
-        predownload=max(READY_AHEAD, 8 * micro_batch_size),
-        num_canonical_nodes=num_canonical_nodes or canonical_nodes_for(num_windows),
-        validate_hash=SHARD_HASH if manifest.get("compression") else None)
+    with _registration_turn():
+        dataset = WindowDataset(
+            local=split_dir, batch_size=micro_batch_size, shuffle=shuffle, shuffle_seed=seed,
+            predownload=max(READY_AHEAD, 8 * micro_batch_size),
+            num_canonical_nodes=num_canonical_nodes or canonical_nodes_for(num_windows),
+            validate_hash=SHARD_HASH if manifest.get("compression") else None)
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         atexit.register(_remove_filelocks, dataset._shm_prefix_int)
     dataloader = streaming.StreamingDataLoader(
