@@ -22,7 +22,8 @@ def _sweep_file(tmp_path, **changes):
     spec = {"name": "sw", "base_config": str(base), "output_root": str(tmp_path / "out"),
             "overrides": {"train.global_batch_size": 16},
             "families": {"gpt": {"flavor": "gpt-tiny"},
-                         "gpt_rec": {"flavor": "gpt_rec-tiny", "overrides": {"optimizer.lr": 3e-3}}},
+                         "gpt_rec": {"flavor": "gpt_rec-tiny",
+                                     "overrides": {"optimizer.lr": 3e-3}}},
             "sizes": {"w32": {"n_embd": 32}, "w64": {"n_embd": 64}},
             "tokens": {"fixed": [1e5, 2e5]}}
     spec.update(changes)
@@ -54,12 +55,19 @@ def test_expansion_is_the_full_product_sharing_everything_but_the_cell(tmp_path)
 
 
 def test_tokens_per_parameter_budget_and_warmup_share(tmp_path):
-    path = _sweep_file(tmp_path, tokens={"per_param": [20]}, warmup_fraction=0.1)
-    for run in sweeps.expand(sweeps.load_sweep(path)):
+    families = {"deep": {"flavor": "gpt-tiny", "overrides": {"model.overrides.n_layer": 4}},
+                "shallow": {"flavor": "gpt-tiny"}}
+    path = _sweep_file(tmp_path, tokens={"per_param": [20]}, warmup_fraction=0.1,
+                       families=families)
+    runs = sweeps.expand(sweeps.load_sweep(path))
+    for run in runs:
         assert run.budget == "x20"
         assert run.max_tokens == round(20 * run.non_embedding_params)
         steps = -(-run.max_tokens // (16 * 50))  # global batch 16 x seq_len 50
         assert run.config["schedule"]["warmup_steps"] == round(0.1 * steps) > 0
+    # N counts the model as configured, family overrides included: 4 layers vs gpt-tiny's 2.
+    n = {(r.group, r.size): r.non_embedding_params for r in runs}
+    assert 1.9 < n[("deep", "w32")] / n[("shallow", "w32")] < 2.1
 
 
 @pytest.mark.parametrize("change, message", [
@@ -71,7 +79,7 @@ def test_tokens_per_parameter_budget_and_warmup_share(tmp_path):
     ({"base_config": "no/such.yaml"}, "trainer config not found: no/such.yaml"),
     ({"families": {"gpt": {"flavor": "gpt-huge"}}}, "unknown model flavor 'gpt-huge'"),
     ({"sizes": {"w": {"n_embdd": 8}}}, "'n_embdd' is not a field"),
-    ({"overrides": {"train.lrr": 1}}, "run sw-gpt-w32-t100k: unknown key train.lrr"),
+    ({"overrides": {"train.lrr": 1}}, "sw, gpt w32: unknown key train.lrr"),
 ])
 def test_bad_sweeps_are_one_line_errors(tmp_path, change, message, capsys):
     path = _sweep_file(tmp_path, **change)
@@ -96,8 +104,8 @@ def test_configs_index_and_slurm_array(tmp_path, capsys):
     done = runs[0]
     run_dir = sweep.directory / done.run_name
     run_dir.mkdir()
-    RunRecord(done.run_name, "some_family", "gpt-tiny", 1, done.non_embedding_params, 1, 1.0, 3.0, 3.0,
-              3.0, 1.0, "cpu", 1, 1).save(run_dir)
+    RunRecord(done.run_name, "some_family", "gpt-tiny", 1, done.non_embedding_params, 1, 1.0,
+              3.0, 3.0, 3.0, 1.0, "cpu", 1, 1).save(run_dir)
     registry = load_registry([sweep.directory])
     assert registry.group_of(*registry.records[0]) == "gpt"  # the sweep's label wins
     capsys.readouterr()

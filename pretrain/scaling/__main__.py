@@ -41,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     try:
-        return {"run": _run, "list": _list, "fit": _fit, "experiment": _experiment}[args.command](args)
+        command = {"run": _run, "list": _list, "fit": _fit, "experiment": _experiment}
+        return command[args.command](args)
     except (ValueError, launch.SweepFailed) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -216,13 +216,21 @@ def to_markdown(fits: list[LawFit], baseline: str, ci_level: float = 0.95) -> st
 
 # ----------------------------------------------------------------------------- plots
 
-def make_figure(groups: dict[str, list[Point]], fits: list[LawFit]):
-    """Log-log loss against each fitted law's x, every group in one panel per law."""
+def pyplot():
+    """matplotlib.pyplot on the file-only backend (no display needed)."""
     import matplotlib
-    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def make_figure(groups: dict[str, list[Point]], fits: list[LawFit]):
+    """Log-log loss against each fitted law's x, every group in one panel per law."""
+    import matplotlib.ticker
+
+    plt = pyplot()
 
     laws = [law for law in LAWS if any(f.law == law and f.full is not None for f in fits)]
     laws = laws or [LAWS[0]]
@@ -293,8 +301,7 @@ def write_outputs(out_dir: Path, groups: dict[str, list[Point]], fits: list[LawF
                   baseline: str, header: str = "") -> None:
     """Write fits.md, fits.csv, scaling.png and tb/ into `out_dir`, replacing a previous
     output only once everything is written."""
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     table_md = to_markdown(fits, baseline)

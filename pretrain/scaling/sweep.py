@@ -208,25 +208,25 @@ def expand(sweep: Sweep) -> list[RunSpec]:
         if not Path(base).is_file():
             raise ValueError(f"sweep {sweep.name}: trainer config not found: {base}")
         for size, model_overrides in (spec.sizes or sweep.sizes).items():
-            n_params = non_embedding_params(spec.flavor, model_overrides)
+            cell = {**sweep.overrides, **spec.overrides, "output_root": str(sweep.directory),
+                    "model.flavor": spec.flavor, "train.max_steps": None}
+            cell.update({f"model.overrides.{k}": v for k, v in model_overrides.items()})
+            try:
+                # JSON is YAML: the trainer parses each value back to what it was here.
+                cfg = load_config(base, [f"{k}={json.dumps(v)}" for k, v in cell.items()])
+            except ConfigError as err:
+                # The sweep's values reach the trainer as overrides, which it calls "command line".
+                reason = str(err).removeprefix("command line: ")
+                raise ValueError(f"sweep {sweep.name}, {group} {size}: {reason}") from None
+            n_params = non_embedding_params(cfg.model.flavor, cfg.model.overrides)
             budgets = [(f"t{_compact(t)}", int(t)) for t in sweep.tokens.fixed]
             budgets += [(f"x{_compact(r)}", round(r * n_params)) for r in sweep.tokens.per_param]
             for budget, max_tokens in budgets:
-                run_name = f"{sweep.name}-{group}-{size}-{budget}"
-                cell = {**sweep.overrides, **spec.overrides, "run_name": run_name,
-                        "output_root": str(sweep.directory), "model.flavor": spec.flavor,
-                        "train.max_tokens": max_tokens, "train.max_steps": None}
-                cell.update({f"model.overrides.{k}": v for k, v in model_overrides.items()})
-                try:
-                    # JSON is YAML: the trainer parses each value back to what it was here.
-                    cfg = load_config(base, [f"{k}={json.dumps(v)}" for k, v in cell.items()])
-                except ConfigError as err:
-                    # The sweep's values reach the trainer as overrides, which it calls "command line".
-                    reason = str(err).removeprefix("command line: ")
-                    raise ValueError(f"sweep {sweep.name}, run {run_name}: {reason}") from None
+                cfg.run_name = f"{sweep.name}-{group}-{size}-{budget}"
+                cfg.train.max_tokens = max_tokens
                 if sweep.warmup_fraction is not None:
                     cfg.schedule.warmup_steps = round(sweep.warmup_fraction * cfg.total_steps)
-                runs.append(RunSpec(run_name, group, size, budget, n_params, max_tokens,
+                runs.append(RunSpec(cfg.run_name, group, size, budget, n_params, max_tokens,
                                     to_dict(cfg)))
     names = [r.run_name for r in runs]
     if len(set(names)) != len(names):

@@ -13,6 +13,7 @@ import torch
 
 from pretrain.scaling import launch
 from pretrain.scaling.registry import RunRecord
+from pretrain.scaling.report import pyplot
 from pretrain.scaling.sweep import RunSpec, Sweep, load_sweep
 
 EVAL_FILE = "experiment_eval.json"
@@ -76,8 +77,6 @@ def mean_loss(model: torch.nn.Module, data_dir: str, split: str, batches: int,
 def write_results(sweep: Sweep, name: str, markdown: str, rows: list[dict[str, Any]],
                   figure) -> Path:
     """SWEEP_DIR/results/<name>.{md,csv,png}; returns the directory."""
-    import matplotlib.pyplot as plt
-
     out = sweep.directory / "results"
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.md").write_text(markdown)
@@ -87,7 +86,7 @@ def write_results(sweep: Sweep, name: str, markdown: str, rows: list[dict[str, A
     writer.writerows(rows)
     (out / f"{name}.csv").write_text(buffer.getvalue())
     figure.savefig(out / f"{name}.png", dpi=80)
-    plt.close(figure)
+    pyplot().close(figure)
     print(markdown)
     print(f"wrote {out}/{name}.md, {name}.csv, {name}.png")
     return out
@@ -101,13 +100,3 @@ def markdown_table(rows: list[dict[str, Any]], formats: dict[str, str]) -> str:
         cells = [format(row[c], formats.get(c, "")) for c in columns]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
-
-
-def pyplot():
-    """matplotlib.pyplot on the file-only backend."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt

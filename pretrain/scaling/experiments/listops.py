@@ -16,8 +16,9 @@ import torch
 
 from data_pipeline.listops import listops_test_examples
 from data_pipeline.loader import read_manifest
-from pretrain.scaling.experiments.common import (cached, markdown_table, pyplot, train_sweep,
+from pretrain.scaling.experiments.common import (cached, markdown_table, train_sweep,
                                                  trained_model, write_results)
+from pretrain.scaling.report import pyplot
 
 SWEEP = "configs/scaling/listops.yaml"
 PAPER_TRANSITION = (2.3e4, 3.0e4)

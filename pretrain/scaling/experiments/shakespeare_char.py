@@ -1,0 +1,69 @@
+"""Character-level Shakespeare (NRGPT paper): GPT, GPT_Rec and NRGPT at three widths. Reports
+the best val loss against parameters and the generalization gap: val minus train loss of the
+final model, both measured the same way here (the same number of windows of each split, in
+eval mode), so the gap is not blurred by the trainer's last-batch train loss.
+
+The data are the first 150 scenes of the bundled plays (about 1M characters, the size of the
+paper's tiny-shakespeare), 10% of scenes held out for validation.
+"""
+from __future__ import annotations
+
+from data_pipeline.prepare import ensure_prepared
+from pretrain.config import load_config
+from pretrain.scaling.experiments.common import (cached, markdown_table, mean_loss, train_sweep,
+                                                 trained_model, write_results)
+from pretrain.scaling.report import pyplot
+from pretrain.scaling.sweep import load_sweep
+
+SWEEP = "configs/scaling/shakespeare_char.yaml"
+SCENES = 150
+VAL_FRACTION = 0.1
+LOSS_BATCHES = 40
+"""Micro-batches of each split for the final train and val losses (40 x 16 x 128 characters)."""
+
+
+def main() -> int:
+    data = load_config(load_sweep(SWEEP).base_config).data
+    ensure_prepared(data.path, "shakespeare", seq_len=data.seq_len, tokenizer="char",
+                    val_fraction=VAL_FRACTION, max_docs=SCENES)
+    sweep, runs = train_sweep(SWEEP)
+    rows = []
+    for run, record, run_dir in runs:
+        def final_losses():
+            model = trained_model(run_dir)
+            return {split: mean_loss(model, data.path, split, LOSS_BATCHES, data.micro_batch_size)
+                    for split in ("train", "val")}
+
+        losses = cached(run_dir, "char_losses", final_losses)
+        rows.append({"model": run.group, "width": run.config["model"]["overrides"]["n_embd"],
+                     "params": record.params, "non_embedding": record.non_embedding_params,
+                     "best_val": record.best_val_loss, "final_train": losses["train"],
+                     "final_val": losses["val"], "gap": losses["val"] - losses["train"],
+                     "wall_s": record.wall_time_s})
+    rows.sort(key=lambda r: (r["model"], r["params"]))
+    markdown = markdown_table(rows, {c: ".3f" for c in ("best_val", "final_train", "final_val",
+                                                         "gap")} | {"params": ",d",
+                                                                    "non_embedding": ",d",
+                                                                    "wall_s": ".0f"})
+    write_results(sweep, "shakespeare_char", markdown, rows, _figure(rows))
+    return 0
+
+
+def _figure(rows):
+    plt = pyplot()
+    fig, (ax_loss, ax_gap) = plt.subplots(1, 2, figsize=(8.4, 3.4))
+    for i, model in enumerate(sorted({r["model"] for r in rows})):
+        mine = [r for r in rows if r["model"] == model]
+        params = [r["params"] for r in mine]
+        ax_loss.plot(params, [r["best_val"] for r in mine], "o-", color=f"C{i}", label=model)
+        ax_gap.plot(params, [r["gap"] for r in mine], "o-", color=f"C{i}", label=model)
+    for ax, title in ((ax_loss, "best val loss"), (ax_gap, "val - train loss (final)")):
+        ax.set_xscale("log")
+        ax.set_xlabel("parameters")
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    ax_gap.axhline(0, color="0.5", lw=0.8)
+    fig.suptitle("Character-level Shakespeare", fontsize=10)
+    fig.tight_layout()
+    return fig
