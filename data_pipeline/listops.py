@@ -44,7 +44,9 @@ SEED = 1234
 MAX_DRAWS_PER_EXAMPLE = 1000
 """Rejection-sampling budget per requested example before giving up."""
 
+
 def apply(op: str, args: list[int]) -> int:
+    """The value of one operator on digit arguments."""
     if op == "add_10":
         return sum(args) % 10
     if op == "max_10":
@@ -119,10 +121,8 @@ def generate(sizes: dict[str, int], seed: int = SEED) -> tuple[dict[str, list[st
             if budget < 0:
                 raise DataError(f"listops: could not draw {sizes[name]} {name} examples")
             text, triples = example_text(_random_list(rng, depth=2))
-            unseen = bool(triples & heldout)
-            if name == "test" and not unseen:
-                continue
-            if name != "test" and unseen:
+            # Test examples need a held-out triple; train and val must have none.
+            if bool(triples & heldout) != (name == "test"):
                 continue
             if name == "val" and text in train_texts:
                 continue

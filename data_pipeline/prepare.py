@@ -45,8 +45,10 @@ CHUNK_MAX_DOCS = 256
 """Documents per unit of work sent to a tokenizer process."""
 CHUNK_MAX_CHARS = 1 << 20
 """Characters per unit of work (a chunk closes once it reaches this many)."""
-CHUNKS_IN_FLIGHT_PER_PROC = 2
-"""Chunks queued per tokenizer process: keeps every process busy while bounding memory."""
+CHUNKS_IN_FLIGHT_PER_PROC = 6
+"""Chunks queued per tokenizer process: bounds memory, and is deep enough that the workers keep
+busy while the reading/writing main process waits for a core on a busy machine (measured: 2 in
+flight lost ~7% more throughput than 6 on an oversubscribed 2-core machine)."""
 SETTINGS_KEYS = ("source", "tokenizer", "seq_len", "val_fraction", "max_docs", "text_field",
                  "text_unit", "skip_bad_lines")
 """Manifest fields that define the dataset's content; a rerun with other values is refused."""
