@@ -128,11 +128,29 @@ def test_energy_equals_the_joint_sequence_reference(overrides):
     d = model.descent
     for step in (0, 1):
         expected = joint_reference_energy(model, idx, probs, step)
-        assert torch.allclose(d.energy(probs, d.observe(idx, step), 0), expected, atol=1e-12, rtol=0)
+        assert torch.allclose(d.energy(probs @ d.candidate_table(), d.observe(idx, step), 0), expected,
+                              atol=1e-12, rtol=0)
     # the last R rows alone (generation predicts only the last position)
     expected = joint_reference_energy(model, idx, probs[:, -2:])
-    assert torch.allclose(d.energy(probs[:, -2:], d.observe(idx, 0), idx.size(1) - 2), expected,
-                          atol=1e-12, rtol=0)
+    assert torch.allclose(d.energy(probs[:, -2:] @ d.candidate_table(), d.observe(idx, 0), idx.size(1) - 2),
+                          expected, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("grad_wrt", ["probs", "logits"])
+def test_a_step_follows_the_gradient_of_the_reference_energy(grad_wrt):
+    """y_1 = p_0 - alpha dE/dp (released code) or y_0 - alpha dE/dy (paper's pseudocode), with
+    the gradient taken by autograd of the joint-sequence reference energy."""
+    model = tiny(grad_wrt=grad_wrt, n_steps=1)
+    idx, _ = data(model)
+    start = candidate(model, idx)
+    y = start.clone().requires_grad_()
+    probs = y.softmax(-1)
+    if grad_wrt == "probs":
+        probs = probs.detach().requires_grad_()
+    point = probs if grad_wrt == "probs" else y
+    grad, = torch.autograd.grad(joint_reference_energy(model, idx, probs).sum(), point)
+    expected = point - model.config.alpha * grad
+    assert torch.allclose(model.descent(idx, start, 1).candidate, expected, atol=1e-12, rtol=0)
 
 
 # --- no leakage ---------------------------------------------------------------------------
@@ -343,7 +361,7 @@ def test_step_conditioning_gives_each_step_its_own_energy_landscape():
     assert (grads["descent.time_embeddings.weight"].abs().sum(-1) > 0).all()  # every step's row
     d = model.descent
     probs = candidate(model, idx).softmax(-1)
-    energies = [d.energy(probs, d.observe(idx, step), 0) for step in (0, 1, 2, 5)]
+    energies = [d.energy(probs @ d.candidate_table(), d.observe(idx, step), 0) for step in (0, 1, 2, 5)]
     assert (energies[0] - energies[1]).abs().max() > 1e-6
     assert torch.equal(energies[2], energies[3])  # steps beyond n_steps reuse the last embedding
 

@@ -124,19 +124,24 @@ def two_stream_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_ob
     """Attention of the predicted rows [B, H, R, hd]: row r attends to observed keys
     0..r + offset and to its own key, in one softmax. Exact and cheap: the scores against the
     observed keys with an inclusive causal mask plus the single self score q_r . k_r, so no
-    2T x 2T mask. Written with plain matmuls, which have a double backward on every device
-    (the flash SDPA kernel has none)."""
+    2T x 2T mask. Written with plain matmuls and elementwise ops, which have a double backward
+    on every device (the flash SDPA kernel has none)."""
     q = q * q.size(-1) ** -0.5
     rows = torch.arange(q.size(-2), device=q.device)[:, None]
     keys = torch.arange(k_obs.size(-2), device=q.device)[None, :]
     # an additive -inf bias: cheaper than masked_fill in the first and second backward
     hidden = torch.zeros(rows.size(0), keys.size(1), dtype=q.dtype, device=q.device).masked_fill_(
         keys > rows + offset, float("-inf"))
-    scores = q @ k_obs.transpose(-2, -1) + hidden
-    self_score = (q * k).sum(-1, keepdim=True)
     wide = torch.promote_types(q.dtype, torch.float32)
-    probs = torch.cat([scores, self_score], dim=-1).to(wide).softmax(dim=-1).to(q.dtype)
-    return probs[..., :-1] @ v_obs + probs[..., -1:] * v
+    scores = (q @ k_obs.transpose(-2, -1) + hidden).to(wide)
+    self_score = (q * k).sum(-1, keepdim=True).to(wide)
+    # The softmax over [scores, self score] written out, without concatenating or slicing
+    # [B, H, R, T] tensors (whose backward copies them). Its value does not depend on the
+    # shift, so a detached shift leaves every derivative exact.
+    shift = torch.maximum(scores.amax(-1, keepdim=True), self_score).detach()
+    weights, self_weight = torch.exp(scores - shift), torch.exp(self_score - shift)
+    total = weights.sum(-1, keepdim=True) + self_weight
+    return (weights.to(q.dtype) @ v_obs + self_weight.to(q.dtype) * v) / total.to(q.dtype)
 
 
 def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -263,15 +268,19 @@ class EnergyDescent(nn.Module):
         observed.append(last.attention.keys_values(last.attention_norm(x), rope))
         return observed
 
-    def energy(self, probs: torch.Tensor, observed: list, first_row: int) -> torch.Tensor:
-        """Energies [B, R] of the candidate distributions `probs` [B, R, V] for positions
+    def candidate_table(self) -> torch.Tensor:
+        """W_ve [V, D]: the candidate p [.., V] is embedded as p @ W_ve."""
+        if self.candidate_embedding is None:
+            return self.tok_embeddings.weight
+        return self.candidate_embedding.weight.t()
+
+    def energy(self, embedded: torch.Tensor, observed: list, first_row: int) -> torch.Tensor:
+        """Energies [B, R] of the embedded candidates p @ W_ve [B, R, D] of positions
         first_row .. first_row + R - 1."""
-        weight = self.tok_embeddings.weight
-        x = probs.to(weight.dtype)
-        x = x @ weight if self.candidate_embedding is None else self.candidate_embedding(x)
         n_prefix = self.config.n_prefix
-        rope = self._rope(first_row + 1 + n_prefix, x.size(1), x)
+        rope = self._rope(first_row + 1 + n_prefix, embedded.size(1), embedded)
         checkpointed = self.config.activation_checkpointing == "block"
+        x = embedded
         for layer, (k_obs, v_obs) in zip(self.layers, observed):
             attend = functools.partial(two_stream_attention, k_obs=k_obs, v_obs=v_obs,
                                        offset=first_row + n_prefix)
@@ -287,17 +296,21 @@ class EnergyDescent(nn.Module):
             y = y.detach()
         if noise_std:
             y = y + noise_std * torch.randn_like(y)
-        if self.config.grad_wrt == "logits" and not y.requires_grad:
-            y = y.detach().requires_grad_()
         probs = y.softmax(dim=-1)
-        if not probs.requires_grad:
-            # Nothing upstream of p needs a gradient, so p is the leaf: no softmax node saving p,
-            # which a checkpointed step would keep alive (recomputed, unused) until the backward.
-            probs.requires_grad_()
-        point = probs if self.config.grad_wrt == "probs" else y
-        energy = self.energy(probs, observed, first_row)
-        grad, = torch.autograd.grad(energy.sum(), point, create_graph=second_order)
-        y = point - alpha * grad
+        table = self.candidate_table()
+        embedded = probs.to(table.dtype) @ table
+        if not embedded.requires_grad:  # a frozen table
+            embedded.requires_grad_()
+        energy = self.energy(embedded, observed, first_row)
+        # dE/dp through the embedding by hand: autograd.grad w.r.t. p would need p to require
+        # grad, and the training backward would then also differentiate the loss w.r.t. p
+        grad_embedded, = torch.autograd.grad(energy.sum(), embedded, create_graph=second_order)
+        with torch.set_grad_enabled(second_order):
+            grad = (grad_embedded @ table.t()).to(probs.dtype)
+        if self.config.grad_wrt == "probs":
+            y = probs - alpha * grad
+        else:  # dE/dy = softmax's Jacobian (symmetric) times dE/dp
+            y = y - alpha * probs * (grad - (probs * grad).sum(-1, keepdim=True))
         losses = None
         if targets is not None:
             with torch.set_grad_enabled(second_order):
@@ -353,7 +366,8 @@ class EnergyDescent(nn.Module):
             with torch.no_grad():
                 if observed is None:
                     observed = self.observe(idx, n_steps)
-                energies.append(self.energy(y.softmax(dim=-1), observed, first_row))
+                embedded = y.softmax(dim=-1).to(self.candidate_table().dtype) @ self.candidate_table()
+                energies.append(self.energy(embedded, observed, first_row))
         loss = per_step = None
         if targets is not None:
             n_valid = (targets != -1).sum().clamp(min=1)
