@@ -34,7 +34,7 @@ class FamilySpec:
     """Size label -> model overrides, replacing the sweep's `sizes` for this group (for
     families whose width knobs differ)."""
     overrides: dict[str, Any] = field(default_factory=dict)
-    """Dotted trainer keys applied to this group only (e.g. `optim.lr: 1e-3`)."""
+    """Dotted trainer keys applied to this group only (e.g. `optimizer.lr: 1.0e-3`)."""
 
 
 @dataclass
@@ -125,6 +125,8 @@ def load_sweep(path: str | Path) -> Sweep:
     except yaml.YAMLError as err:
         raise ValueError(f"{path}: not valid YAML ({err})".replace("\n", " ")) from None
     sweep = _typed(Sweep, raw, str(path))
+    if not sweep.families:
+        raise ValueError(f"{path}: families: give at least one group")
     budgets = sweep.tokens
     if bool(budgets.fixed) == bool(budgets.per_param):
         raise ValueError(f"{path}: tokens: give exactly one of 'fixed' or 'per_param'")
@@ -136,6 +138,8 @@ def load_sweep(path: str | Path) -> Sweep:
         raise ValueError(f"{path}: threads_per_process must be at least 1")
     if sweep.nproc_per_node < 1 or sweep.slurm.nodes < 1 or sweep.slurm.gpus_per_node < 1:
         raise ValueError(f"{path}: process, node and GPU counts must be at least 1")
+    if sweep.slurm.max_parallel < 0:
+        raise ValueError(f"{path}: slurm: max_parallel must be >= 0")
     if any(not sizes for sizes in [sweep.sizes] + [f.sizes for f in sweep.families.values()
                                                    if f.sizes is not None]):
         raise ValueError(f"{path}: sizes: give at least one size")
