@@ -8,7 +8,8 @@ written as JSON Lines to a temporary directory. Each round measures, one after t
            (the reference), and `encode_to_numpy` (what prepare calls) in as many threads
   prepare  `prepare("jsonl:...")` end to end (read, hash split, tokenize in num_proc processes,
            pack, write MDS shards, manifest) at seq_len 1024 and at seq_len 64
-  loader   `build_loader` batches (2 workers) at micro-batch 4 of seq_len 64 and 1024
+  loader   `build_loader` batches at micro-batch 4 of seq_len 64 and 1024 (2 DataLoader
+           workers), and of seq_len 64 read in the calling process (0 workers)
   train    one training step (forward, backward, AdamW) of `gpt-tiny` at micro-batch 4 x 64,
            with the GPT-2 vocabulary and with a character vocabulary (what tiny CPU runs do)
 Ratios are taken within each round (neighbours in time) and the median over rounds reported.
@@ -87,9 +88,9 @@ def prepared(corpus: str, out: str, seq_len: int, num_proc: int) -> int:
     return sum(split["tokens"] for split in manifest["splits"].values())
 
 
-def loader_tokens_per_s(data_dir: str, micro_batch_size: int) -> float:
+def loader_tokens_per_s(data_dir: str, micro_batch_size: int, num_workers: int) -> float:
     loader = build_loader(data_dir, "train", micro_batch_size=micro_batch_size, seed=0,
-                          num_workers=2)
+                          num_workers=num_workers)
     batches = iter(loader)
     next(batches)  # worker start-up is paid once per epoch, not per batch
     start = time.perf_counter()
@@ -171,8 +172,9 @@ def main() -> None:
             "prepare seq_len 64": lambda: prepared(corpus, path[64], 64, procs),
         }
         reading = {  # name -> tokens per wall-clock second
-            "loader 4 x 1024": lambda: loader_tokens_per_s(path[1024], 4),
-            "loader 4 x 64": lambda: loader_tokens_per_s(path[64], 4),
+            "loader 4 x 1024, 2 workers": lambda: loader_tokens_per_s(path[1024], 4, 2),
+            "loader 4 x 64, 2 workers": lambda: loader_tokens_per_s(path[64], 4, 2),
+            "loader 4 x 64, 0 workers": lambda: loader_tokens_per_s(path[64], 4, 0),
             "train gpt-tiny 4 x 64, GPT-2 vocab": lambda: train_tokens_per_s(50304, 4, 64),
             "train gpt-tiny 4 x 64, char vocab": lambda: train_tokens_per_s(128, 4, 64),
         }
@@ -201,7 +203,9 @@ def main() -> None:
             f"{ratio(cpu, f'prepare seq_len {n}', reference):.2f} CPU" for n in (1024, 64))
             + ("  (target >= 0.8 at 1024)" if reference.endswith("batch") else ""))
     for train in ("train gpt-tiny 4 x 64, GPT-2 vocab", "train gpt-tiny 4 x 64, char vocab"):
-        print(f"loader 4 x 64 / {train}: {ratio(wall, 'loader 4 x 64', train):,.1f}x "
+        print(f"loader 4 x 64 with 2 / 0 workers: "
+              f"{ratio(wall, 'loader 4 x 64, 2 workers', train):,.0f}x / "
+              f"{ratio(wall, 'loader 4 x 64, 0 workers', train):,.0f}x the rate of {train} "
               f"(target >= 10x)")
 
 
