@@ -5,6 +5,7 @@ of awkward strings) and a small GPT-2 dataset prepared from them once per sessio
 shards so that packing crosses many shard and work-chunk boundaries.
 """
 import json
+import multiprocessing
 
 import pytest
 
@@ -51,3 +52,26 @@ def tiny_dataset(tmp_path_factory, corpus_jsonl) -> str:
     out = str(tmp_path_factory.mktemp("datasets") / "tiny")
     prepare(f"jsonl:{corpus_jsonl}", out, num_proc=2, **TINY_SETTINGS)
     return out
+
+
+def run_at_once(work, processes: int = 3) -> list:
+    """What `work()` returns in `processes` forked processes released at the same moment (an
+    exception comes back as the string "error: ...")."""
+    context = multiprocessing.get_context("fork")
+    start, results = context.Event(), context.Queue()
+
+    def child():
+        start.wait()
+        try:
+            results.put(work())
+        except Exception as err:  # reported to the test
+            results.put(f"error: {type(err).__name__}: {err}")
+
+    children = [context.Process(target=child) for _ in range(processes)]
+    for process in children:
+        process.start()
+    start.set()
+    returned = [results.get(timeout=120) for _ in children]
+    for process in children:
+        process.join()
+    return returned

@@ -3,7 +3,6 @@
 The world-size-2 tests launch this module under `torchrun --nproc_per_node=2`; `worker_main`
 at the bottom is what each rank runs.
 """
-import multiprocessing
 import os
 import shutil
 import socket
@@ -13,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from conftest import TINY_SETTINGS
+from conftest import TINY_SETTINGS, run_at_once
 from data_pipeline.loader import build_loader
 from data_pipeline.prepare import prepare
 from data_pipeline.sources import DataError
@@ -113,30 +112,15 @@ def test_train_and_val_loaders_side_by_side_and_recreated(tiny_dataset):
     assert all(torch.equal(a, b) for a, b in zip(*evaluations))
 
 
-def _read_val_in_child(data_dir, start, results):
-    start.wait()
-    try:
-        loader = build_loader(data_dir, "val", micro_batch_size=2, seed=4, repeat=False)
-        results.put([batch.tolist() for batch in take(loader)])
-    except Exception as err:  # reported to the test
-        results.put(f"{type(err).__name__}: {err}")
-
-
 def test_independent_processes_read_one_dataset_at_once(tiny_dataset):
     """Separate jobs on one machine (each its own world of one) start loaders simultaneously."""
-    context = multiprocessing.get_context("fork")
-    start, results = context.Event(), context.Queue()
-    children = [context.Process(target=_read_val_in_child, args=(tiny_dataset, start, results))
-                for _ in range(3)]
-    for child in children:
-        child.start()
-    start.set()
-    epochs = [results.get(timeout=120) for _ in children]
-    for child in children:
-        child.join()
-    expected = take(build_loader(tiny_dataset, "val", micro_batch_size=2, seed=4, repeat=False))
-    for epoch in epochs:
-        assert epoch == [batch.tolist() for batch in expected], str(epoch)[:300]
+    def one_epoch():
+        loader = build_loader(tiny_dataset, "val", micro_batch_size=2, seed=4, repeat=False)
+        return [batch.tolist() for batch in take(loader)]
+
+    expected = one_epoch()
+    for epoch in run_at_once(one_epoch):
+        assert epoch == expected, str(epoch)[:300]
 
 
 def test_tiny_split_at_world_size_1(tmp_path, corpus_jsonl):

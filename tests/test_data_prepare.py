@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tiktoken
 
-from conftest import TINY_SETTINGS
+from conftest import TINY_SETTINGS, run_at_once
 from data_pipeline.prepare import ensure_prepared, is_val_document, prepare
 from data_pipeline.sources import DataError, parse_source
 from data_pipeline.streaming_compat import streaming
@@ -220,28 +220,11 @@ def test_staging_of_a_killed_run_is_removed(tmp_path, corpus_jsonl):
     assert sorted(os.listdir(tmp_path)) == sorted([alive.name, "ds"])
 
 
-def _ensure_in_child(path, corpus, start, results):
-    start.wait()
-    try:
-        manifest = ensure_prepared(path, f"jsonl:{corpus}", seq_len=16, val_fraction=0.1,
-                                   max_docs=300, num_proc=1)
-        results.put(manifest["fingerprint"])
-    except Exception as err:  # reported to the test
-        results.put(f"error: {err}")
-
-
 def test_ensure_prepared_from_many_processes_at_once(tmp_path, corpus_jsonl):
     path = str(tmp_path / "shared" / "ds")
-    context = multiprocessing.get_context("fork")
-    start, results = context.Event(), context.Queue()
-    children = [context.Process(target=_ensure_in_child, args=(path, corpus_jsonl, start, results))
-                for _ in range(3)]
-    for child in children:
-        child.start()
-    start.set()
-    fingerprints = [results.get(timeout=120) for _ in children]
-    for child in children:
-        child.join()
+    fingerprints = run_at_once(lambda: ensure_prepared(
+        path, f"jsonl:{corpus_jsonl}", seq_len=16, val_fraction=0.1, max_docs=300,
+        num_proc=1)["fingerprint"])
     assert len(set(fingerprints)) == 1 and not fingerprints[0].startswith("error")
     assert sorted(os.listdir(tmp_path / "shared")) == ["ds", "ds.lock"]
     assert ensure_prepared(path, f"jsonl:{corpus_jsonl}", seq_len=16, val_fraction=0.1,
