@@ -85,8 +85,11 @@ def atomic_write(path: Path, write) -> None:
     """`write(tmp)` a temporary file next to `path`, then rename it into place: readers see the
     old file or the new one, never half of one."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    write(tmp)
-    os.replace(tmp, path)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def save(engine, ckpt_dir: Path, step: int, client_state: dict, rank_state: dict, keep: int,

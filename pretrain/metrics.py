@@ -83,11 +83,10 @@ class Metrics:
         """One compact line: step, loss, LR, grad norm, throughput, step time, data wait, ETA."""
         if not self.enabled:
             return
-        lrs = [v for k, v in values.items() if k.startswith("train/lr/")]
         parts = [f"step {step}/{self.total_steps}"]
         if "train/loss" in values:
             parts.append(f"loss {values['train/loss']:.4f}")
-        parts += [f"lr {lrs[0]:.2e}" if lrs else "",
+        parts += [f"lr {values['train/lr']:.2e}",
                   f"gnorm {values.get('train/grad_norm', math.nan):.3f}",
                   f"{values['train/tokens_per_s']:,.0f} tok/s",
                   f"{values['train/step_time_s'] * 1e3:.0f} ms/step",

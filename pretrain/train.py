@@ -45,6 +45,11 @@ EXIT_PREEMPTED = 75
 """EX_TEMPFAIL: stopped by SIGTERM/SIGUSR1 after saving a checkpoint; resubmit to resume."""
 
 
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+"""Finish the step, save a checkpoint and exit with EXIT_PREEMPTED (Slurm: SIGUSR1 as the
+warning before the time limit, SIGTERM on preemption or scancel)."""
+
+
 class NonFiniteError(RuntimeError):
     """Non-finite updates keep coming back after reloading the last good checkpoint."""
 
@@ -96,7 +101,7 @@ class Trainer:
         # preemption: finish the step, save, exit with EXIT_PREEMPTED
         self.stop_signal = 0
         self.previous_handlers = {signum: signal.signal(signum, self._on_signal)
-                                  for signum in (signal.SIGTERM, signal.SIGUSR1)}
+                                  for signum in PREEMPTION_SIGNALS}
 
     def _on_signal(self, signum, frame) -> None:
         self.stop_signal = signum
@@ -136,6 +141,9 @@ class Trainer:
         self.loader = build_loader(data.path, "train", micro_batch_size=data.micro_batch_size,
                                    seed=cfg.seed, shuffle=True, num_workers=data.num_workers,
                                    pin_memory=self.on_gpu)
+        # Schedulers signal every process of the job, loader workers included, and a worker
+        # dead of SIGTERM fails the batch the step still needs; the trainer handles preemption.
+        self.loader.dataloader.worker_init_fn = _ignore_preemption_signals
         self.val_loader = build_loader(data.path, "val", micro_batch_size=data.micro_batch_size,
                                        seed=cfg.seed, shuffle=False, num_workers=0, repeat=False)
         if resume_from is not None:
@@ -230,7 +238,8 @@ class Trainer:
         last_eval = last_save = -1
         while self.state.step < self.total_steps:
             step = self.state.step
-            log_now = (step + 1) % cfg.train.log_interval == 0 or step + 1 == self.total_steps
+            # the first step too, so that curves and console show where the loss started
+            log_now = (step + 1) % cfg.train.log_interval == 0 or step + 1 in (1, self.total_steps)
             t0 = time.perf_counter()
             result = self.train_step(log_now)
             step_time = time.perf_counter() - t0
@@ -255,6 +264,7 @@ class Trainer:
 
             if log_now:
                 values = {"train/lr/" + name: lr for name, lr in result["lrs"].items()}
+                values["train/lr"] = result["lr"]
                 if not result["nonfinite"]:
                     values["train/loss"] = result["loss"]
                 if result["grad_norm"] is not None:
@@ -343,7 +353,7 @@ class Trainer:
         grad_norm = float(engine.get_global_grad_norm()) if applied and engine.get_global_grad_norm() is not None else None
         # fp16 loss scaling skips overflowing steps by design; those are not faults
         skipped_by_fault = nonfinite_total > 0 or (not applied and self.precision != "fp16")
-        return {"loss": loss_total / (self.grad_accum * self.world_size), "nonfinite": skipped_by_fault,
+        return {"loss": loss_total / (self.grad_accum * self.world_size), "nonfinite": skipped_by_fault, "lr": lr,
                 "grad_norm": grad_norm, "lrs": lrs, "data_wait_s": data_wait,
                 "diagnostics": diagnostics, "stop": stop > 0}
 
@@ -425,6 +435,11 @@ class Trainer:
                    "tokens_per_s": self.session_tokens / max(self.session_train_s, 1e-9),
                    "model_config": asdict(self.model_config)},
         ).save(self.run_dir)
+
+
+def _ignore_preemption_signals(worker_id: int) -> None:
+    for signum in PREEMPTION_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
 
 
 def _peak_memory_gb(on_gpu: bool) -> float:
