@@ -14,15 +14,15 @@ Choices that are not streaming's defaults, and why:
   streaming repeats windows to fill its partitions.
 - Epochs: iterating the loader runs epoch after epoch (streaming's epoch counter advances and,
   with shuffling, reshuffles with seed + epoch) unless `repeat=False`, which stops after one.
-- Shards are checked against the xxh64 checksums and sizes in the split's `index.json` before
-  use, so a corrupted or truncated shard is an error naming the shard, not a wrong batch.
+- Shards are checked against the sizes (when the loader is built) and xxh64 checksums (when a
+  process first reads from a shard) in the split's `index.json`, so a corrupted or truncated
+  shard is an error naming the shard, not a wrong batch.
 """
 from __future__ import annotations
 
 import atexit
 import contextlib
 import fcntl
-import json
 import os
 import tempfile
 from typing import Any, Iterator
@@ -59,35 +59,38 @@ def canonical_nodes_for(num_windows: int) -> int:
     return nodes
 
 
-def verify_split(split_dir: str) -> None:
-    """Check every shard of an MDS split against the sizes and checksums in its index."""
-    index_path = os.path.join(split_dir, "index.json")
-    try:
-        with open(index_path, encoding="utf-8") as f:
-            shards = json.load(f)["shards"]
-    except (OSError, ValueError, KeyError) as err:
-        raise DataError(f"cannot read shard index {index_path}: {err}") from None
+def _stored_files(shard) -> list:
+    """File infos of a shard's files on disk: the raw file and/or the compressed one (a
+    compressed split stores the .zstd file; streaming adds the raw file on first read)."""
+    infos = [info for pair in shard.file_pairs for info in pair if info is not None]
+    present = [info for info in infos
+               if os.path.isfile(os.path.join(shard.dirname, shard.split, info.basename))]
+    if not present:
+        raise DataError(f"shard {os.path.join(shard.dirname, shard.split, infos[-1].basename)} "
+                        "is missing")
+    return present
+
+
+def check_shard_sizes(shards) -> None:
+    """Every shard file is present with the size its index records (catches truncation)."""
     for shard in shards:
-        # A compressed split stores the .zstd file; streaming adds the raw file on first read.
-        files = [info for info in (shard["raw_data"], shard["zip_data"]) if info]
-        present = [info for info in files
-                   if os.path.isfile(os.path.join(split_dir, info["basename"]))]
-        if not present:
-            raise DataError(f"shard {os.path.join(split_dir, files[-1]['basename'])} is missing")
-        for info in present:
-            _verify_file(os.path.join(split_dir, info["basename"]), info)
+        for info in _stored_files(shard):
+            path = os.path.join(shard.dirname, shard.split, info.basename)
+            size = os.path.getsize(path)
+            if size != info.bytes:
+                raise DataError(f"shard {path} is truncated or corrupted: {size} bytes, "
+                                f"index.json says {info.bytes}")
 
 
-def _verify_file(path: str, info: dict) -> None:
-    size = os.path.getsize(path)
-    if size != info["bytes"]:
-        raise DataError(f"shard {path} is truncated or corrupted: {size} bytes, index.json "
-                        f"says {info['bytes']}")
-    with open(path, "rb") as f:
-        checksum = streaming.base.hashing.get_hash(SHARD_HASH, f.read())
-    if checksum != info["hashes"][SHARD_HASH]:
-        raise DataError(f"shard {path} is corrupted: {SHARD_HASH} {checksum}, index.json says "
-                        f"{info['hashes'][SHARD_HASH]}")
+def verify_shard_checksums(shard) -> None:
+    """Every file of the shard matches the xxh64 checksum its index records."""
+    for info in _stored_files(shard):
+        path = os.path.join(shard.dirname, shard.split, info.basename)
+        with open(path, "rb") as f:
+            checksum = streaming.base.hashing.get_hash(SHARD_HASH, f.read())
+        if checksum != info.hashes[SHARD_HASH]:
+            raise DataError(f"shard {path} is corrupted: {SHARD_HASH} {checksum}, index.json "
+                            f"says {info.hashes[SHARD_HASH]}")
 
 
 def _remove_filelocks(shm_prefix: int) -> None:
@@ -126,9 +129,24 @@ def _registration_turn():
 
 
 class WindowDataset(streaming.StreamingDataset):
-    """A split's windows as int64 tensors of `seq_len + 1` tokens."""
+    """A split's windows as int64 tensors of `seq_len + 1` tokens.
+
+    With `verify`, each process checks a shard's checksum the first time it reads from it: the
+    check costs one read of the data per reading process and epoch 0, spread over the run
+    instead of a pass over the whole split before the first step.
+    """
+
+    def __init__(self, *, verify: bool, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.verify = verify
+        self.verified_shards: set[int] = set()
 
     def get_item(self, sample_id: int, retry: int = 7) -> torch.Tensor:
+        if self.verify:
+            shard_id, _ = self.spanner[sample_id]
+            if shard_id not in self.verified_shards:
+                verify_shard_checksums(self.shards[shard_id])
+                self.verified_shards.add(shard_id)
         window = super().get_item(sample_id, retry)["tokens"]
         return torch.from_numpy(window.astype(np.int64))
 
@@ -200,7 +218,7 @@ def build_loader(data_dir: str, split: str, *, micro_batch_size: int, seed: int,
     Rank and world size come from RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE (streaming
     reads them; a plain single process needs none). `seed` is streaming's `shuffle_seed`.
     `num_canonical_nodes` overrides the size-based default, e.g. for node counts that are not a
-    power of two. `verify` checksums every shard (once per node, on local rank 0) first.
+    power of two. `verify` checks shard sizes now and each shard's checksum on its first read.
     """
     manifest = read_manifest(data_dir)
     split_dir = os.path.abspath(os.path.join(data_dir, split))
@@ -212,14 +230,14 @@ def build_loader(data_dir: str, split: str, *, micro_batch_size: int, seed: int,
     if num_windows < micro_batch_size * world_size:
         raise DataError(f"split {split} of {data_dir} has {num_windows} windows, fewer than one "
                         f"global batch ({micro_batch_size} x {world_size} ranks)")
-    if verify and int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        verify_split(split_dir)
     with _registration_turn():
         dataset = WindowDataset(
-            local=split_dir, batch_size=micro_batch_size, shuffle=shuffle, shuffle_seed=seed,
+            verify=verify, local=split_dir, batch_size=micro_batch_size, shuffle=shuffle, shuffle_seed=seed,
             predownload=max(READY_AHEAD, 8 * micro_batch_size),
             num_canonical_nodes=num_canonical_nodes or canonical_nodes_for(num_windows),
             validate_hash=SHARD_HASH if manifest.get("compression") else None)
+    if verify:
+        check_shard_sizes(dataset.shards)
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         atexit.register(_remove_filelocks, dataset._shm_prefix_int)
     dataloader = streaming.StreamingDataLoader(

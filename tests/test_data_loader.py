@@ -143,11 +143,17 @@ def test_corrupted_or_truncated_shard_is_named(tiny_dataset, tmp_path):
         byte = f.read(1)
         f.seek(300)
         f.write(bytes([byte[0] ^ 1]))
-    with pytest.raises(DataError, match=r"shard .*shard\.00002\.mds is corrupted"):
-        build_loader(copy, "train", micro_batch_size=2, seed=0)
+    # A flipped bit is found by the checksum when a DataLoader worker first reads the shard.
+    loader = build_loader(copy, "train", micro_batch_size=2, seed=0, repeat=False)
+    with pytest.raises(DataError, match=r"shard .*shard\.00002\.mds is corrupted: xxh64"):
+        take(loader)
+    # Truncation (or a missing file) is found by the size check when the loader is built.
     with open(shard, "r+b") as f:
         f.truncate(100)
     with pytest.raises(DataError, match=r"shard .*shard\.00002\.mds is truncated"):
+        build_loader(copy, "train", micro_batch_size=2, seed=0)
+    os.remove(shard)
+    with pytest.raises(DataError, match=r"shard .*shard\.00002\.mds is missing"):
         build_loader(copy, "train", micro_batch_size=2, seed=0)
 
 
