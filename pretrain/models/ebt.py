@@ -6,7 +6,7 @@ energy per position. The prediction is found by gradient descent on the candidat
     y_0 ~ N(0, candidate_init_std)                         [B, T, V] candidate logits
     p_t = softmax(y_t [+ Langevin noise])
     E_t = EnergyHead(Backbone([observed tokens ; p_t @ W_ve]))   [B, T]
-    y_{t+1} = p_t - alpha * dE_t/dp_t                      (autograd.grad, create_graph in training)
+    y_{t+1} = p_t - alpha * dE_t/dp_t       (autograd.grad, with create_graph in training)
 
 and training backpropagates the next-token cross entropy of log_softmax(y_{t+1}) through the
 descent (second order). The backbone runs two streams with the same weights: the observed tokens
@@ -51,8 +51,8 @@ class EBTConfig(LlamaConfig):
     """If > 0, training draws the number of steps uniformly from [min_steps, n_steps] once per
     batch (S2: 2..3)."""
     alpha: float = 500.0
-    """Descent step size (the initial value when learnable). Large because each p_v is ~1/V,
-    so dE/dp is small."""
+    """Descent step size (the initial value when learnable): the released S1 recipe starts at
+    500, S2 keeps 5."""
     alpha_learnable: bool = True
     """Learn alpha (an nn.Parameter, S1) or keep it fixed (a buffer, S2)."""
     alpha_lr_mult: float = 1500.0
@@ -395,7 +395,7 @@ class EBT(LanguageModel):
         init_weights(self, config)
         # The first step moves the candidate by alpha * dE/dp, which is proportional to the
         # energy head: scaling it by 1/alpha keeps that first move the size it has at alpha = 1
-        # (at N(0, init_std) and alpha = 500 the first step's loss is ~70 ln V).
+        # (with N(0, init_std), ebt-s1-small's first-step loss was 1054 nats, ~100 ln V).
         nn.init.normal_(self.descent.energy_head.weight, std=config.init_std / config.alpha)
         rows, T, V = config.replay_buffer_size, config.block_size, config.vocab_size
         if rows:
@@ -497,7 +497,8 @@ class EBT(LanguageModel):
             loss = result.loss if self.training else loss_per_step[-1]
         if return_energies:
             diagnostics["_token_energy"] = result.energies[:, :B]
-        return ModelOutput(loss=loss, logits=log_probs(result.candidate[:B]), diagnostics=diagnostics)
+        return ModelOutput(loss=loss, logits=F.log_softmax(result.candidate[:B], dim=-1),
+                           diagnostics=diagnostics)
 
     @torch.no_grad()
     def think(self, idx: torch.Tensor, steps: int | None = None, best_of: int = 1,
@@ -526,7 +527,8 @@ class EBT(LanguageModel):
         if targets is not None:
             n_valid = (targets[:B] != -1).sum().clamp(min=1)
             loss_per_step = chosen(result.token_losses, 1).sum(dim=(1, 2)) / n_valid
-        return ThinkOutput(log_probs(chosen(result.candidate, 0)), chosen(result.energies, 1), loss_per_step)
+        return ThinkOutput(F.log_softmax(chosen(result.candidate, 0), dim=-1), chosen(result.energies, 1),
+                           loss_per_step)
 
     def next_token_logits(self, context: torch.Tensor) -> torch.Tensor:
         return self.think(context, last_only=True).logits[:, -1, :]
@@ -544,8 +546,9 @@ class EBT(LanguageModel):
 
     def flops_per_token(self, seq_len: int, training: bool = True) -> float:
         """Model FLOPs per token of what this implementation computes (2 per multiply-add,
-        PaLM attention convention, norms and softmaxes ignored), with steps = n_steps, or the
-        mean (min_steps + n_steps) / 2 of randomised training steps:
+        PaLM attention convention; norms, softmaxes and checkpointing's recomputation not
+        counted), with steps = n_steps, or the mean (min_steps + n_steps) / 2 of randomised
+        training steps:
 
         - observed stream O: (n_layer - 1) blocks over T (+1 with time_embed) keys plus the
           last layer's key/value projections (4 D^2); once per batch with reuse, once per step
@@ -554,12 +557,13 @@ class EBT(LanguageModel):
           T keys + the energy head;
         - the energy gradient dE/dp needs input gradients only: ~P again;
         - training backpropagates through both (2x), so a step with a second-order graph costs
-          3 (P + P) and the observed stream 3 O; truncated S2 steps before the last cost 2 P.
+          3 (P + P) and the observed stream 3 O; truncated S2 steps before the last cost 2 P;
+        - a replay buffer adds replay_fraction rows per training row.
 
         S1 (2 steps) with reuse is 12 P + 3 O, about 5x a Transformer++ training step (3x its
-        forward); recomputing O per step (time_embed) gives 18 P, about 6x. The paper counts
-        6.66x for S1 (a full 2T forward per step); at inference one step costs ~2x a forward
-        with reuse (paper: 3.33x)."""
+        forward); recomputing O per step (time_embed) gives 12 P + 6 O, about 6x. The paper
+        counts 6.66x for S1 (a full 2T forward per step); at inference one step costs ~2x a
+        forward with reuse (paper: 3.33x)."""
         cfg = self.config
         D = cfg.n_embd
         observed_rows = (seq_len + cfg.n_prefix) / seq_len
@@ -572,12 +576,10 @@ class EBT(LanguageModel):
         graph_steps = 1 if cfg.truncate_loss else steps
         total = graph_steps * 6 * predicted + (steps - graph_steps) * 2 * predicted
         if cfg.reuse_observed_stream:
-            return total + 3 * observed
-        return total + graph_steps * 3 * observed + (steps - graph_steps) * observed
-
-
-def log_probs(candidate: torch.Tensor) -> torch.Tensor:
-    return F.log_softmax(candidate, dim=-1)
+            total += 3 * observed
+        else:
+            total += graph_steps * 3 * observed + (steps - graph_steps) * observed
+        return total * (1 + cfg.replay_fraction if cfg.replay_buffer_size else 1)
 
 
 register_family(EBTConfig, EBT)
