@@ -278,18 +278,17 @@ class EnergyBlock(nn.Module):
         return x - self.eta(self.energy_gradient(g), step, self.norm.weight), energy
 
 
-class NRGPT(LearnedPositionLM):
+class Recurrence(nn.Module):
+    """The shared block applied n_steps times. One module call per forward: DeepSpeed ZeRO-3
+    gathers a leaf module's parameters on entry and reduces their gradients once per call of
+    it in backward, so the leaf must be this loop, not the block it calls n_steps times."""
+
     def __init__(self, config: NRGPTConfig):
-        super().__init__(config)
+        super().__init__()
+        self.config = config
         self.block = EnergyBlock(config)
-        self.init_weights()
 
-    def zero3_leaf_modules(self):
-        # The block calls its submodules' energy methods, not only their forward hooks.
-        return [EnergyBlock]
-
-    def trunk(self, x, return_energies=False):
-        want_energy = return_energies or self.config.log_energy
+    def forward(self, x: torch.Tensor, want_energy: bool) -> tuple[torch.Tensor, dict]:
         checkpointed = self.config.activation_checkpointing != "off"
         energies = []
         for step in range(self.config.n_steps):
@@ -301,6 +300,24 @@ class NRGPT(LearnedPositionLM):
             diagnostics["energy"] = per_token.mean(dim=(1, 2))
             diagnostics["_token_energy"] = per_token
         return x, diagnostics
+
+
+class NRGPT(LearnedPositionLM):
+    def __init__(self, config: NRGPTConfig):
+        super().__init__(config)
+        self.recurrence = Recurrence(config)
+        self.init_weights()
+
+    @property
+    def block(self) -> EnergyBlock:
+        return self.recurrence.block
+
+    def zero3_leaf_modules(self):
+        # The block calls its submodules' energy methods, not only their forward hooks.
+        return [Recurrence]
+
+    def trunk(self, x, return_energies=False):
+        return self.recurrence(x, return_energies or self.config.log_energy)
 
     def flops_per_token(self, seq_len: int, training: bool = True) -> float:
         """Matmul FLOPs (2 per multiply-accumulate) of one step, times n_steps, plus the LM head.
