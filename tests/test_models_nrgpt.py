@@ -80,6 +80,9 @@ def test_activation_and_slope(act):
     value, slope = act_and_slope(u, act)
     assert torch.allclose(value, reference, atol=1e-14, rtol=0)
     assert torch.allclose(slope, torch.autograd.grad(reference.sum(), u)[0], atol=1e-12, rtol=0)
+    # the hand-written backward of both outputs (away from ReLU's kink)
+    points = torch.tensor([-2.5, -0.7, 0.3, 1.9], dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda v: act_and_slope(v, act), (points,))
 
 
 @pytest.mark.parametrize("kind, act", itertools.product(["ff1", "ff2", "ff2w"], ["gelu", "relu"]))

@@ -154,13 +154,33 @@ class EnergyAttention(nn.Module):
         return grad
 
 
+def normal_cdf_pdf(u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.special.ndtr(u), torch.exp(-0.5 * u * u) * (1.0 / math.sqrt(2.0 * math.pi))
+
+
+class GeluAndSlope(torch.autograd.Function):
+    """GELU (exact, erf form) and its derivative Phi(u) + u phi(u) in one pass, with a
+    hand-written backward (GELU'' = phi(u) (2 - u^2)): about half the elementwise passes of
+    letting autograd trace the formula, which dominate the FF energy's non-matmul time."""
+
+    @staticmethod
+    def forward(ctx, u):
+        cdf, pdf = normal_cdf_pdf(u)
+        ctx.save_for_backward(u)
+        return u * cdf, cdf + u * pdf
+
+    @staticmethod
+    def backward(ctx, grad_value, grad_slope):
+        (u,) = ctx.saved_tensors
+        cdf, pdf = normal_cdf_pdf(u)  # recomputed: cheaper than keeping two more [.., hD] tensors
+        return grad_value * (cdf + u * pdf) + grad_slope * pdf * (2.0 - u * u)
+
+
 def act_and_slope(u: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """sigma(u) and sigma'(u); GELU in its exact erf form, sigma' = Phi(u) + u phi(u)."""
+    """sigma(u) and sigma'(u) for the FF energies."""
     if kind == "relu":
         return F.relu(u), (u > 0).to(u.dtype)
-    cdf = 0.5 * (1.0 + torch.erf(u / math.sqrt(2.0)))
-    pdf = torch.exp(-0.5 * u * u) / math.sqrt(2.0 * math.pi)
-    return u * cdf, cdf + u * pdf
+    return GeluAndSlope.apply(u)
 
 
 class EnergyFF(nn.Module):
@@ -192,13 +212,14 @@ class EnergyFF(nn.Module):
 
     def forward(self, g: torch.Tensor) -> torch.Tensor:
         """[B, T, D] closed-form dE_FF/dg."""
+        # Constant factors and signs are applied to the D-wide results, not the hD-wide hiddens.
         hidden, slope = act_and_slope(self.fc1(g), self.act)
         if self.kind == "ff1":
-            return -2 * (slope * hidden) @ self.fc1.weight
+            return ((slope * hidden) @ self.fc1.weight) * -2
         if self.kind == "ff2":
             out, out_slope = act_and_slope(self.fc2(hidden), self.act)
-            return -2 * (slope * ((out_slope * out) @ self.fc2.weight)) @ self.fc1.weight
-        return -self.fc2(hidden) - (slope * (g @ self.fc2.weight)) @ self.fc1.weight
+            return ((slope * ((out_slope * out) @ self.fc2.weight)) @ self.fc1.weight) * -2
+        return -(self.fc2(hidden) + (slope * (g @ self.fc2.weight)) @ self.fc1.weight)
 
 
 class EnergyNorm(nn.Module):
