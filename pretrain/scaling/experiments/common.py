@@ -1,10 +1,11 @@
-"""What the experiments share: training a sweep, loading a trained run, held-out losses,
-per-run result caching and the result files."""
+"""What the experiments share: training a sweep and evaluating each run once, loading a
+trained run, held-out losses and the result files."""
 from __future__ import annotations
 
 import csv
 import io
 import json
+from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
 from typing import Any, Callable
@@ -20,22 +21,35 @@ EVAL_FILE = "experiment_eval.json"
 MODEL_FILE = "model.safetensors"
 
 
-def train_sweep(path: str) -> tuple[Sweep, list[tuple[RunSpec, RunRecord, Path]]]:
-    """Train the sweep's unfinished runs; return (spec, summary, run directory) of every run."""
+@dataclass
+class FinishedRun:
+    spec: RunSpec
+    record: RunRecord
+    """The run's summary.json."""
+    directory: Path
+    evaluation: dict[str, Any]
+    """What the experiment's evaluation returned for this run."""
+
+
+def train_and_evaluate(path: str, key: str, evaluate: Callable[[RunSpec, Path], dict[str, Any]]
+                       ) -> tuple[Sweep, list[FinishedRun]]:
+    """Train the sweep's runs one by one, evaluating each as soon as it has finished (with the
+    code it was trained with) unless RUN_DIR/experiment_eval.json already holds `key`."""
     sweep = load_sweep(path)
     if sweep.threads_per_process is not None:  # the evaluation here runs like the runs did
         torch.set_num_threads(sweep.threads_per_process)
-    planned = launch.plan(sweep)
-    rc = launch.run_locally(sweep, planned)
-    if rc != 0:
-        raise launch.SweepFailed(f"sweep {sweep.name} did not finish (exit code {rc}); "
-                           "rerun the same command to resume it")
-    runs = []
-    for run, _ in planned:
+    finished = []
+    for run, config_path in launch.plan(sweep):
+        rc = launch.run_locally(sweep, [(run, config_path)])
+        if rc != 0:
+            raise launch.SweepFailed(f"sweep {sweep.name} stopped at {run.run_name} (exit code "
+                                     f"{rc}); rerun the same command to resume it")
         run_dir = sweep.directory / run.run_name
         summary = json.loads((run_dir / "summary.json").read_text())
-        runs.append((run, RunRecord.from_dict(summary, str(run_dir)), run_dir))
-    return sweep, runs
+        evaluation = cached(run_dir, key, lambda: evaluate(run, run_dir))
+        finished.append(FinishedRun(run, RunRecord.from_dict(summary, str(run_dir)), run_dir,
+                                    evaluation))
+    return sweep, finished
 
 
 def trained_model(run_dir: Path) -> torch.nn.Module:

@@ -12,7 +12,7 @@ from itertools import islice
 
 import torch
 
-from pretrain.scaling.experiments.common import (cached, markdown_table, train_sweep,
+from pretrain.scaling.experiments.common import (markdown_table, train_and_evaluate,
                                                  trained_model, write_results)
 from pretrain.scaling.report import pyplot
 
@@ -53,11 +53,11 @@ def thinking_curves(model, data_dir: str) -> dict:
 
 
 def main() -> int:
-    sweep, runs = train_sweep(SWEEP)
-    (run, record, run_dir), = runs
-    data_dir = run.config["data"]["path"]
-    curves = cached(run_dir, "ebt_thinking", lambda: thinking_curves(trained_model(run_dir),
-                                                                       data_dir))
+    sweep, runs = train_and_evaluate(
+        SWEEP, "ebt_thinking",
+        lambda run, run_dir: thinking_curves(trained_model(run_dir), run.config["data"]["path"]))
+    (run,) = runs
+    record, curves = run.record, run.evaluation
     train_steps = curves["train_steps"]
     steps_rows = [{"steps": k + 1, "best_of": 1, "val_loss": loss, "ppl": math.exp(loss),
                    "final_energy": curves["energy_per_step"][k + 1]}

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from data_pipeline.prepare import ensure_prepared
 from pretrain.config import load_config
-from pretrain.scaling.experiments.common import (cached, markdown_table, mean_loss, train_sweep,
-                                                 trained_model, write_results)
+from pretrain.scaling.experiments.common import (markdown_table, mean_loss,
+                                                 train_and_evaluate, trained_model,
+                                                 write_results)
 from pretrain.scaling.report import pyplot
 from pretrain.scaling.sweep import load_sweep
 
@@ -26,25 +27,23 @@ def main() -> int:
     data = load_config(load_sweep(SWEEP).base_config).data
     ensure_prepared(data.path, "shakespeare", seq_len=data.seq_len, tokenizer="char",
                     val_fraction=VAL_FRACTION, max_docs=SCENES)
-    sweep, runs = train_sweep(SWEEP)
-    rows = []
-    for run, record, run_dir in runs:
-        def final_losses():
-            model = trained_model(run_dir)
-            return {split: mean_loss(model, data.path, split, LOSS_BATCHES, data.micro_batch_size)
-                    for split in ("train", "val")}
 
-        losses = cached(run_dir, "char_losses", final_losses)
-        rows.append({"model": run.group, "width": run.config["model"]["overrides"]["n_embd"],
-                     "params": record.params, "non_embedding": record.non_embedding_params,
-                     "best_val": record.best_val_loss, "final_train": losses["train"],
-                     "final_val": losses["val"], "gap": losses["val"] - losses["train"],
-                     "wall_s": record.wall_time_s})
+    def final_losses(run, run_dir):
+        model = trained_model(run_dir)
+        return {split: mean_loss(model, data.path, split, LOSS_BATCHES, data.micro_batch_size)
+                for split in ("train", "val")}
+
+    sweep, runs = train_and_evaluate(SWEEP, "char_losses", final_losses)
+    rows = [{"model": r.spec.group, "width": r.spec.config["model"]["overrides"]["n_embd"],
+             "params": r.record.params, "non_embedding": r.record.non_embedding_params,
+             "best_val": r.record.best_val_loss, "final_train": r.evaluation["train"],
+             "final_val": r.evaluation["val"],
+             "gap": r.evaluation["val"] - r.evaluation["train"], "wall_s": r.record.wall_time_s}
+            for r in runs]
     rows.sort(key=lambda r: (r["model"], r["params"]))
-    markdown = markdown_table(rows, {c: ".3f" for c in ("best_val", "final_train", "final_val",
-                                                         "gap")} | {"params": ",d",
-                                                                    "non_embedding": ",d",
-                                                                    "wall_s": ".0f"})
+    formats = {"params": ",d", "non_embedding": ",d", "wall_s": ".0f"}
+    formats.update({c: ".3f" for c in ("best_val", "final_train", "final_val", "gap")})
+    markdown = markdown_table(rows, formats)
     write_results(sweep, "shakespeare_char", markdown, rows, _figure(rows))
     return 0
 
