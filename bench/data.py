@@ -14,8 +14,8 @@ written as JSON Lines to a temporary directory. Each round measures, one after t
            with the GPT-2 vocabulary and with a character vocabulary (what tiny CPU runs do)
 Ratios are taken within each round (neighbours in time) and the median over rounds reported.
 Besides tokens per wall-clock second, raw and prepare report tokens per CPU-second (this process
-and its children), which other jobs on a shared machine disturb much less. Targets: prepare/raw >= 0.8 (seq_len 1024); loader >= 10x the
-fastest tiny training step.
+and its children), which other jobs on a shared machine disturb much less.
+Targets: prepare/raw >= 0.8 (seq_len 1024); loader >= 10x the fastest tiny training step.
 
 `--memory` instead runs the command-line prepare on 1, 10 and 40 copies of the corpus in child
 processes and prints their peak resident memory. The MDS writer buffers one shard before writing

@@ -93,16 +93,12 @@ def verify_shard_checksums(shard) -> None:
                             f"says {info.hashes[SHARD_HASH]}")
 
 
-def _remove_filelocks(shm_prefix: int) -> None:
-    # Streaming leaves its per-dataset lock files in the temp dir; while they exist no later
-    # dataset on this machine may take the same shared-memory prefix, so each run would push
-    # the prefixes (and the files) up by one.
-    constant = streaming.base.constant
-    for name in (constant.BARRIER_FILELOCK, constant.CACHE_FILELOCK):
-        try:
-            os.remove(os.path.join(tempfile.gettempdir(), f"{shm_prefix:06}_{name}"))
-        except FileNotFoundError:
-            pass
+@contextlib.contextmanager
+def _machine_lock():
+    """The lock that orders streaming shared-memory registrations and releases on this machine."""
+    with open(os.path.join(tempfile.gettempdir(), PREFIX_LOCK), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 @contextlib.contextmanager
@@ -114,18 +110,29 @@ def _registration_turn():
     job's local rank 0 holds a machine-wide lock for the whole registration, and the job's other
     ranks look up the prefix while it is held, so registrations never interleave.
     """
-    if int(os.environ.get("LOCAL_RANK", "0")) != 0:
-        lock = None
-    else:
-        lock = open(os.path.join(tempfile.gettempdir(), PREFIX_LOCK), "a")
-        fcntl.flock(lock, fcntl.LOCK_EX)
-    try:
+    leader = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    with _machine_lock() if leader else contextlib.nullcontext():
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.barrier()  # the other ranks start once local rank 0 has the lock
         yield
-    finally:
-        if lock is not None:
-            lock.close()
+
+
+def _release_prefix(registered: list[int]) -> None:
+    """Remove the lock files streaming leaves in the temp dir for a dataset's prefix.
+
+    While they exist no later dataset may take the prefix, so each run would push prefixes (and
+    files) up by one. Runs at exit after streaming has unlinked the dataset's shared memory, and
+    under the machine lock, so a prefix never becomes free while another job registers (its
+    ranks would look up different prefixes).
+    """
+    constant = streaming.base.constant
+    with _machine_lock():
+        for prefix in registered:
+            for name in (constant.BARRIER_FILELOCK, constant.CACHE_FILELOCK):
+                try:
+                    os.remove(os.path.join(tempfile.gettempdir(), f"{prefix:06}_{name}"))
+                except FileNotFoundError:
+                    pass
 
 
 class WindowDataset(streaming.StreamingDataset):
@@ -230,16 +237,19 @@ def build_loader(data_dir: str, split: str, *, micro_batch_size: int, seed: int,
     if num_windows < micro_batch_size * world_size:
         raise DataError(f"split {split} of {data_dir} has {num_windows} windows, fewer than one "
                         f"global batch ({micro_batch_size} x {world_size} ranks)")
+    registered: list[int] = []
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        # Registered before streaming's own exit handlers, so it runs after them (LIFO).
+        atexit.register(_release_prefix, registered)
     with _registration_turn():
         dataset = WindowDataset(
-            verify=verify, local=split_dir, batch_size=micro_batch_size, shuffle=shuffle, shuffle_seed=seed,
-            predownload=max(READY_AHEAD, 8 * micro_batch_size),
+            verify=verify, local=split_dir, batch_size=micro_batch_size, shuffle=shuffle,
+            shuffle_seed=seed, predownload=max(READY_AHEAD, 8 * micro_batch_size),
             num_canonical_nodes=num_canonical_nodes or canonical_nodes_for(num_windows),
             validate_hash=SHARD_HASH if manifest.get("compression") else None)
+    registered.append(dataset._shm_prefix_int)
     if verify:
         check_shard_sizes(dataset.shards)
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        atexit.register(_remove_filelocks, dataset._shm_prefix_int)
     dataloader = streaming.StreamingDataLoader(
         dataset, batch_size=micro_batch_size, num_workers=num_workers, drop_last=True,
         collate_fn=split_inputs_targets, pin_memory=pin_memory)

@@ -44,7 +44,7 @@ class SourceStats:
     invalid_utf8_replacements: int = 0
     """Byte sequences that were not valid UTF-8 and were decoded as U+FFFD."""
     skipped_lines: int = 0
-    """jsonl lines skipped because they were not JSON or lacked the text field (--skip-bad-lines)."""
+    """jsonl lines skipped (--skip-bad-lines) because they were not JSON or lacked the field."""
     empty_docs: int = 0
     """Documents with no text at all, which are not written."""
 
