@@ -5,7 +5,6 @@ at the bottom is what each rank runs.
 """
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
@@ -170,11 +169,9 @@ def test_zstd_dataset_reads_like_uncompressed(tiny_dataset, corpus_jsonl, tmp_pa
 
 def run_two_ranks(*args: str) -> None:
     """Run `worker_main(*args)` on two ranks under torchrun."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-               f"--master-port={port}", "-m", "tests.test_data_loader", *args]
+    # --standalone: a rendezvous on a free local port, so concurrent launches cannot collide.
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc_per_node=2", "-m", "tests.test_data_loader", *args]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests")])}
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=180)
