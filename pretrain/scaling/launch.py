@@ -41,25 +41,33 @@ def run_locally(sweep: Sweep, planned: list[tuple[RunSpec, Path]]) -> int:
     """Train the unfinished runs in order; returns 0 when all finished, the requeue code when
     one was interrupted (the rest is left for the next call), 1 when some failed."""
     failed = []
-    env = {**os.environ, "NPROC_PER_NODE": str(sweep.nproc_per_node), "PYTHON": sys.executable}
-    if sweep.threads_per_process is not None:
-        env["OMP_NUM_THREADS"] = str(sweep.threads_per_process)
     todo = unfinished(sweep, planned)
     for i, (run, config_path) in enumerate(todo, 1):
-        resuming = (sweep.directory / run.run_name).exists()
-        print(f"[{i}/{len(todo)}] {'resuming' if resuming else 'starting'} {run.run_name}",
-              flush=True)
-        rc = subprocess.run(_command(sweep, config_path), env=env).returncode
+        rc = train_run(sweep, run, config_path, f"[{i}/{len(todo)}]")
         if rc == REQUEUE_EXIT_CODE:
-            print(f"{run.run_name} was interrupted and checkpointed; rerun the sweep to resume it")
             return rc
-        if rc != 0 or not is_finished(sweep, run):
+        if rc != 0:
             failed.append(f"{run.run_name} (exit code {rc})")
     if failed:
         print("failed runs (rerun the sweep to resume them):\n  " + "\n  ".join(failed),
               file=sys.stderr)
         return 1
     return 0
+
+
+def train_run(sweep: Sweep, run: RunSpec, config_path: Path, progress: str = "") -> int:
+    """Train (or resume) one run in a child process; its exit code, 1 if it exited 0 without
+    writing summary.json."""
+    env = {**os.environ, "NPROC_PER_NODE": str(sweep.nproc_per_node), "PYTHON": sys.executable}
+    if sweep.threads_per_process is not None:
+        env["OMP_NUM_THREADS"] = str(sweep.threads_per_process)
+    resuming = (sweep.directory / run.run_name).exists()
+    print(f"{progress} {'resuming' if resuming else 'starting'} {run.run_name}".lstrip(),
+          flush=True)
+    rc = subprocess.run(_command(sweep, config_path), env=env).returncode
+    if rc == REQUEUE_EXIT_CODE:
+        print(f"{run.run_name} was interrupted and checkpointed; rerun the sweep to resume it")
+    return rc or int(not is_finished(sweep, run))
 
 
 def _command(sweep: Sweep, config_path: Path) -> list[str]:

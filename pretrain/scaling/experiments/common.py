@@ -15,7 +15,7 @@ import torch
 from pretrain.scaling import launch
 from pretrain.scaling.registry import RunRecord
 from pretrain.scaling.report import pyplot
-from pretrain.scaling.sweep import RunSpec, Sweep, load_sweep
+from pretrain.scaling.sweep import RunSpec, Sweep, is_finished, load_sweep
 
 EVAL_FILE = "experiment_eval.json"
 MODEL_FILE = "model.safetensors"
@@ -39,8 +39,10 @@ def train_and_evaluate(path: str, key: str, evaluate: Callable[[RunSpec, Path], 
     if sweep.threads_per_process is not None:  # the evaluation here runs like the runs did
         torch.set_num_threads(sweep.threads_per_process)
     finished = []
-    for run, config_path in launch.plan(sweep):
-        rc = launch.run_locally(sweep, [(run, config_path)])
+    planned = launch.plan(sweep)
+    for i, (run, config_path) in enumerate(planned, 1):
+        rc = 0 if is_finished(sweep, run) else launch.train_run(sweep, run, config_path,
+                                                                f"[{i}/{len(planned)}]")
         if rc != 0:
             raise launch.SweepFailed(f"sweep {sweep.name} stopped at {run.run_name} (exit code "
                                      f"{rc}); rerun the same command to resume it")
