@@ -1,0 +1,43 @@
+"""The experiments' scoring: the prompt/answer alignment of ListOps greedy and teacher-forced
+accuracy, checked against a real (untrained) model's own greedy continuations."""
+import json
+
+import torch
+
+from pretrain import models
+from pretrain.scaling.experiments.common import cached
+from pretrain.scaling.experiments.listops import greedy_accuracy, teacher_forced
+
+EOS = 1
+
+
+def _model_and_examples():
+    torch.manual_seed(0)
+    model = models.build(models.resolve("gpt_rec-listops-w16", {"vocab_size": 20})).eval()
+    prompts = [[5, 3, 8, 9, 4, 2], [6, 3, 10, 11, 12, 4, 2], [7, 3, 8, 4, 2], [5, 3, 9, 9, 4, 2]]
+    examples = []
+    for prompt in prompts:  # answers = what the model itself generates greedily
+        out = model.generate(torch.tensor([[EOS] + prompt]), 5, top_k=1)[0, len(prompt) + 1:]
+        examples.append((prompt, out.tolist()))
+    return model, examples
+
+
+def test_listops_scores_align_prompt_and_answer():
+    model, examples = _model_and_examples()
+    assert greedy_accuracy(model, examples, EOS)["exact"] == 1.0
+    assert teacher_forced(model, examples, EOS)["answer_token_acc"] == 1.0
+    # Changing one answer token in every example breaks exact match and costs one token each.
+    wrong = [(p, a[:2] + [(a[2] + 1) % 20] + a[3:]) for p, a in examples]
+    assert greedy_accuracy(model, wrong, EOS)["exact"] == 0.0
+    scores = teacher_forced(model, wrong, EOS)
+    assert scores["answer_token_acc"] < 1.0
+    assert scores["answer_loss"] > teacher_forced(model, examples, EOS)["answer_loss"]
+
+
+def test_cached_computes_once_per_key(tmp_path):
+    calls = []
+    compute = lambda: calls.append(1) or {"x": len(calls)}  # noqa: E731
+    assert cached(tmp_path, "a", compute) == {"x": 1}
+    assert cached(tmp_path, "a", compute) == {"x": 1} and len(calls) == 1
+    assert cached(tmp_path, "b", compute) == {"x": 2}
+    assert set(json.loads((tmp_path / "experiment_eval.json").read_text())) == {"a", "b"}
