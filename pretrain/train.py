@@ -326,7 +326,10 @@ class Trainer:
         diagnostics = {}
         for micro in range(self.grad_accum):
             t0 = time.perf_counter()
-            inputs, targets = next(self.batches)
+            # The loader's own random draws (worker seeds when it starts an epoch, which a
+            # resumed run does at a different step) must not move the training RNG.
+            with torch.random.fork_rng(devices=[]):
+                inputs, targets = next(self.batches)
             data_wait += time.perf_counter() - t0
             inputs = inputs.to(self.device, non_blocking=True)
             targets = targets.to(self.device, non_blocking=True)

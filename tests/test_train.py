@@ -1,0 +1,173 @@
+"""The training loop on 2 processes: exact resume for every family under ZeRO 1, 2 and 3, ZeRO-3
+against ZeRO-2, TensorBoard contents, and the non-finite update guard.
+
+The matrix runs come from one torchrun launch (see trainer_runs.py); the other tests here
+launch their own short runs."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+
+import pytest
+import torch
+
+import trainer_runs as runs
+from pretrain.config import load_config
+
+MATRIX = runs.matrix_cells()
+
+
+@pytest.fixture(scope="module")
+def matrix():
+    return runs.resume_matrix()
+
+
+@pytest.mark.parametrize("family, stage", MATRIX, ids=[f"{f}-zero{s}" for f, s in MATRIX])
+def test_resume_gives_identical_losses(matrix, family, stage):
+    name = runs.reference_name(family, stage)
+    reference = runs.scalars(name, "train/loss")
+    resumed = runs.scalars(name + "-resumed", "train/loss")
+    assert sorted(reference) == list(range(1, runs.N_STEPS + 1))
+    assert sorted(resumed) == list(range(runs.RESUME_STEP + 1, runs.N_STEPS + 1))
+    for step, loss in resumed.items():
+        assert loss == reference[step], f"step {step}: resumed {loss!r} != uninterrupted {reference[step]!r}"
+    # and the runs learn something: the loss goes clearly down from its starting value
+    assert reference[runs.N_STEPS] < reference[1] - 0.3
+
+
+@pytest.mark.parametrize("family", runs.FAMILIES)
+def test_zero3_matches_zero2(matrix, family):
+    zero2 = runs.scalars(runs.reference_name(family, 2), "train/loss")
+    zero3 = runs.scalars(runs.reference_name(family, 3), "train/loss")
+    zero1 = runs.scalars(runs.reference_name(family, 1), "train/loss")
+    steps = sorted(zero2)
+    # same math, different reduction order: equal up to float32 rounding
+    assert [zero3[s] for s in steps] == pytest.approx([zero2[s] for s in steps], rel=1e-5, abs=1e-5)
+    assert [zero1[s] for s in steps] == pytest.approx([zero2[s] for s in steps], rel=1e-5, abs=1e-5)
+
+
+def test_resumed_run_records_the_whole_run(matrix):
+    name = runs.reference_name("gpt", 2)
+    summary = json.loads((runs.run_dir(name + "-resumed") / "summary.json").read_text())
+    reference = json.loads((runs.run_dir(name) / "summary.json").read_text())
+    tokens_per_step = 8 * 32
+    for record in (summary, reference):
+        assert record["steps"] == runs.N_STEPS and record["world_size"] == 2
+        assert record["tokens_seen"] == runs.N_STEPS * tokens_per_step
+        assert record["train_flops"] == pytest.approx(record["flops_per_token"] * record["tokens_seen"])
+        assert record["family"] == "gpt" and record["flavor"] == "gpt-tiny"
+    assert summary["final_train_loss"] == reference["final_train_loss"]
+    assert summary["final_val_loss"] == pytest.approx(reference["final_val_loss"], rel=1e-6)
+    ckpt = runs.run_dir(name) / "ckpt"
+    # keep=5: all three checkpoints kept, `latest` names the last
+    assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_00000004", "step_00000008", "step_00000012"]
+    assert (ckpt / "latest").read_text() == "step_00000012"
+
+
+EXPECTED_SCALARS = {
+    "train/loss", "train/lr/decay", "train/lr/no_decay", "train/grad_norm", "train/tokens_seen",
+    "train/tokens_per_s", "train/step_time_s", "train/data_wait_frac", "train/tflops",
+    "train/peak_mem_gb", "train/skipped_steps", "eval/loss", "eval/ppl",
+}
+FAMILY_SCALARS = {
+    "gpt": set(),
+    "nrgpt": {"model/s_ff", "model/eta_scale"} | {f"model/energy/step_{i:02d}" for i in range(3)},
+    "ebt": {"model/alpha", "model/loss_first_step", "model/loss_last_step", "train/lr/descent.alpha"}
+    | {f"model/energy/step_{i:02d}" for i in range(2)} | {f"eval/think_loss/step_{k:02d}" for k in (1, 2, 3)},
+}
+
+
+@pytest.mark.parametrize("family", runs.FAMILIES)
+def test_tensorboard_holds_the_listed_scalars(matrix, family):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    name = runs.reference_name(family, 2)
+    events = EventAccumulator(str(runs.run_dir(name) / "tb"), size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert EXPECTED_SCALARS | FAMILY_SCALARS[family] <= tags
+    assert "train/mfu" not in tags  # no peak to compare with on a CPU
+
+    def series(tag):
+        return {e.step: e.value for e in events.Scalars(tag)}
+
+    n = runs.N_STEPS
+    assert sorted(series("train/loss")) == list(range(1, n + 1))  # the optimizer step is the step
+    assert series("train/tokens_seen")[n] == n * 8 * 32
+    assert series("train/skipped_steps")[n] == 0
+    lrs = series("train/lr/decay")
+    assert lrs[1] == pytest.approx(1.5e-3) and lrs[2] == pytest.approx(3e-3)  # warmup over 2 steps
+    assert lrs[n] == pytest.approx(3e-4)  # the cosine ends at min_lr
+    assert all(v > 0 for v in series("train/tokens_per_s").values())
+    assert all(0 <= v <= 1 for v in series("train/data_wait_frac").values())
+    assert all(math.isfinite(v) and v > 0 for v in series("train/grad_norm").values())
+    assert series("eval/ppl")[n] == pytest.approx(math.exp(series("eval/loss")[n]), rel=1e-5)
+    if family == "ebt":
+        assert series("train/lr/descent.alpha")[n] == pytest.approx(lrs[n] * 1500.0)
+        curve = [series(f"eval/think_loss/step_{k:02d}")[n] for k in (1, 2, 3)]
+        assert all(math.isfinite(x) for x in curve)
+    assert "eval/sample/text_summary" in events.Tags()["tensors"]  # the text sample
+    # hyperparameters through the hparams plugin
+    plugin = events.PluginTagToContent("hparams")
+    assert plugin and any(b"model.flavor" in content for content in plugin.values())
+
+
+def _optimizer_shards(ckpt_dir, step):
+    tag = ckpt_dir / f"step_{step:08d}"
+    shards = []
+    for rank in (0, 1):
+        state = torch.load(tag / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt",
+                           map_location="cpu", weights_only=False)["optimizer_state_dict"]
+        shards.append(torch.cat([t.flatten() for t in state["single_partition_of_fp32_groups"]]))
+    return shards
+
+
+def test_nonfinite_loss_on_one_rank_is_skipped_everywhere_and_recovers():
+    """Rank 1's loss is NaN at step 3 (a transient fault: once per process) and at steps 6 and
+    7, which, two in a row, reload the newest checkpoint (step 6's: a skipped update leaves the
+    weights as they were) and replay step 7 cleanly."""
+    name = "nonfinite"
+    overrides = runs.run_overrides("gpt", 2) + [
+        f"run_name={name}", "checkpoint.interval=1", "checkpoint.keep=20", "fault.nan_loss_steps=[3, 6, 7]",
+        "fault.nan_loss_rank=1", "train.max_consecutive_skips=2", "train.max_reloads=1"]
+    result = subprocess.run(runs.train_command(overrides), env=runs.child_env(), cwd=runs.REPO,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "reloading step_00000006" in result.stdout
+    ckpt = runs.run_dir(name) / "ckpt"
+    # Step 3 was skipped on both ranks: each rank's fp32 master partition and the module weights
+    # are unchanged by it; the next step is applied again.
+    before, after, later = (_optimizer_shards(ckpt, s) for s in (2, 3, 4))
+    for rank in (0, 1):
+        assert torch.equal(before[rank], after[rank]), f"rank {rank} applied the skipped update"
+        assert not torch.equal(after[rank], later[rank]), f"rank {rank} did not resume updating"
+    summary = json.loads((runs.run_dir(name) / "summary.json").read_text())
+    assert summary["skipped_steps"] == 3 and summary["reloads"] == 1 and summary["steps"] == runs.N_STEPS
+    assert math.isfinite(summary["final_train_loss"])
+    losses = runs.scalars(name, "train/loss")
+    # skipped steps log no loss; step 7 was replayed after the reload
+    assert sorted(losses) == [s for s in range(1, runs.N_STEPS + 1) if s not in (3, 6)]
+    assert all(math.isfinite(v) for v in losses.values())
+    assert runs.scalars(name, "train/skipped_steps")[runs.N_STEPS] == 3
+    assert runs.scalars(name, "train/reloads")[6] == 1
+
+
+def test_nonfinite_updates_that_keep_coming_stop_with_a_clear_error():
+    """Without ZeRO (stage 0) the trainer itself drops non-finite gradients; two skips in a row
+    with no reloads allowed end the run with a one-line error."""
+    name = "nonfinite-stop"
+    overrides = ["model.flavor=gpt-tiny", "zero.stage=0", f"run_name={name}",
+                 "fault.nan_loss_steps=[5, 6]", "train.max_consecutive_skips=2", "train.max_reloads=0"]
+    result = subprocess.run(runs.train_command(overrides, nproc=1), env=runs.child_env(), cwd=runs.REPO,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1
+    assert ("error: 2 consecutive non-finite updates up to step 6, after 0 reload(s) of the last good "
+            "checkpoint (train.max_reloads); lower optimizer.lr or check the data") in result.stderr
+    assert not (runs.run_dir(name) / "summary.json").exists()
+
+
+def test_config_in_run_directory_is_the_resolved_one(matrix):
+    name = runs.reference_name("nrgpt", 1)
+    cfg = load_config(runs.run_dir(name) / "config.yaml")
+    assert cfg.model.flavor == "nrgpt-tiny" and cfg.zero.stage == 1 and cfg.run_name == name

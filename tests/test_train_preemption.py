@@ -1,0 +1,135 @@
+"""Interrupted runs on 2 processes: kill -9 mid-training and resume; an interrupted checkpoint
+write is skipped; SIGUSR1 (Slurm's warning) saves and exits with the requeue code under an
+srun-style launch. Each resumed run must reproduce the uninterrupted matrix run's per-step
+losses exactly."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+import trainer_runs as runs
+from pretrain.train import EXIT_PREEMPTED
+
+
+@pytest.fixture(scope="module")
+def matrix():
+    return runs.resume_matrix()
+
+
+def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, f"run ended (code {proc.returncode}) before {path} appeared"
+        assert time.monotonic() < deadline, f"timed out waiting for {path}"
+        time.sleep(0.005)
+
+
+def marker(name: str, step: int) -> Path:
+    return runs.run_dir(name) / "ckpt" / f"step_{step:08d}" / "complete.json"
+
+
+def assert_same_losses(name: str, family: str, stage: int) -> None:
+    reference = runs.scalars(runs.reference_name(family, stage), "train/loss")
+    losses = runs.scalars(name, "train/loss")
+    assert sorted(losses) == sorted(reference)
+    for step in reference:
+        assert losses[step] == reference[step], f"step {step}: {losses[step]!r} != {reference[step]!r}"
+
+
+def test_kill_9_during_training_then_resume(matrix, tmp_path):
+    family, stage, name = "nrgpt", 2, "killed"
+    command = runs.train_command(runs.run_overrides(family, stage) + [f"run_name={name}"])
+    with open(tmp_path / "first.log", "w") as log:
+        proc = subprocess.Popen(command, env=runs.child_env(), cwd=runs.REPO, stdout=log,
+                                stderr=subprocess.STDOUT, preexec_fn=runs.lower_priority)
+        try:
+            wait_for(marker(name, runs.CKPT_INTERVAL), proc)
+        finally:
+            for pid in runs.process_tree(proc.pid):  # torchrun, both trainers, their loader workers
+                os.kill(pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    runs.remove_leaked_shared_memory()
+    assert not (runs.run_dir(name) / "summary.json").exists(), "the run finished before the kill"
+
+    # What a kill in the middle of writing the next checkpoint leaves: files, one truncated,
+    # and no completion marker.
+    ckpt = runs.run_dir(name) / "ckpt"
+    complete = sorted(p for p in ckpt.glob("step_*") if (p / "complete.json").exists())
+    newest = complete[-1]
+    assert int(newest.name[5:]) < runs.N_STEPS, "killed too late to leave any step to resume"
+    broken = ckpt / f"step_{int(newest.name[5:]) + runs.CKPT_INTERVAL:08d}"
+    if broken.exists():
+        shutil.rmtree(broken)
+    shutil.copytree(newest, broken)
+    (broken / "complete.json").unlink()
+    shard = broken / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    shard.write_bytes(shard.read_bytes()[:100])
+
+    result = subprocess.run(command, env=runs.child_env(), cwd=runs.REPO, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"skipping incomplete checkpoint {broken}" in result.stderr
+    assert f"resuming at step {int(newest.name[5:])}" in result.stdout
+    assert (marker(name, runs.N_STEPS)).exists() and (broken / "complete.json").exists()
+    assert_same_losses(name, family, stage)
+
+
+def launch_srun_style(command: list[str]) -> list[subprocess.Popen]:
+    """Two trainer processes started the way `srun` starts tasks: rank from SLURM_PROCID."""
+    port = str(runs.free_port())
+    return [subprocess.Popen(command, cwd=runs.REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             preexec_fn=runs.lower_priority,
+                             env=runs.child_env(SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NTASKS="2",
+                                                SLURM_NODEID="0", SLURM_STEP_TASKS_PER_NODE="2",
+                                                MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+            for rank in (0, 1)]
+
+
+def finish(procs: list[subprocess.Popen], timeout: float = 300) -> list[tuple[int, str, str]]:
+    try:
+        outputs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outputs)]
+
+
+@pytest.mark.parametrize("launcher", ["srun-SIGUSR1", "torchrun-SIGTERM"])
+def test_preemption_signal_saves_and_exits_with_the_requeue_code(matrix, launcher):
+    """srun-style: Slurm's SIGUSR1 reaches every process of rank 1 only (its loader worker
+    too); both ranks stop after the same step and exit with the requeue code. torchrun: SIGTERM
+    to torchrun, which passes it to each trainer's process group (loader workers included)."""
+    family, stage, name = "gpt", 2, f"preempted-{launcher}"
+    overrides = runs.run_overrides(family, stage) + [f"run_name={name}"]
+    if launcher.startswith("srun"):
+        procs = launch_srun_style(runs.train_command(overrides, nproc=1))
+        wait_for(marker(name, runs.CKPT_INTERVAL), procs[0])
+        for pid in runs.process_tree(procs[1].pid):
+            os.kill(pid, signal.SIGUSR1)
+        (code0, out, err), (code1, _, _) = finish(procs)
+        assert (code0, code1) == (EXIT_PREEMPTED, EXIT_PREEMPTED), err[-3000:]
+        assert "another rank's signal" in out  # rank 0 stopped because rank 1 was told to
+    else:
+        procs = [subprocess.Popen(runs.train_command(overrides), cwd=runs.REPO, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, preexec_fn=runs.lower_priority,
+                                  env=runs.child_env())]
+        wait_for(marker(name, runs.CKPT_INTERVAL), procs[0])
+        procs[0].send_signal(signal.SIGTERM)
+        ((code, out, err),) = finish(procs)
+        assert code != 0 and "on SIGTERM: checkpoint saved, exit code 75" in out, err[-3000:]
+    stopped = [int(line.split()[3]) for line in out.splitlines() if line.startswith("stopping at step")]
+    assert len(stopped) == 1 and runs.CKPT_INTERVAL < stopped[0] < runs.N_STEPS
+    assert marker(name, stopped[0]).exists() and not (runs.run_dir(name) / "summary.json").exists()
+
+    resumed = finish(launch_srun_style(runs.train_command(overrides, nproc=1)))
+    assert [code for code, _, _ in resumed] == [0, 0], resumed[0][2][-3000:]
+    assert f"resuming at step {stopped[0]}" in resumed[0][1]
+    assert_same_losses(name, family, stage)

@@ -1,0 +1,200 @@
+"""Shared runs of the trainer tests: a tiny char-level dataset, the base test config, launch
+helpers and the exact-resume matrix. Several test files reuse the same runs (TensorBoard
+contents, export, preemption references), so they are computed once per pytest process and
+cached here.
+
+Run as a script under torchrun it is the matrix worker: every (family, ZeRO stage) cell trains
+an uninterrupted run, then a fresh engine resumes it from its middle checkpoint, all inside the
+same two processes (each run builds its own model, engine and loaders), which saves two
+interpreter and DeepSpeed start-ups per run."""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+PYTHON = sys.executable
+FAMILIES = {"gpt": "gpt-tiny", "nrgpt": "nrgpt-tiny", "ebt": "ebt-tiny"}
+STAGES = (1, 2, 3)
+N_STEPS = 12
+"""Steps of every test run; checkpoints every CKPT_INTERVAL steps."""
+CKPT_INTERVAL = 4
+RESUME_STEP = 4
+"""The resumed matrix runs restart from this checkpoint."""
+
+BASE_CONFIG = {
+    "seed": 7,
+    "model": {"flavor": "gpt-tiny"},
+    "data": {"seq_len": 32, "micro_batch_size": 4, "num_workers": 1},
+    "optimizer": {"lr": 3e-3},
+    "schedule": {"kind": "cosine", "warmup_steps": 2, "min_lr": 3e-4},
+    "train": {"max_steps": N_STEPS, "global_batch_size": 8, "log_interval": 1},
+    "zero": {"stage": 2},
+    "checkpoint": {"interval": CKPT_INTERVAL, "keep": 5},
+    "eval": {"interval": 0, "batches": 2, "think_steps": 3, "sample_tokens": 8},
+}
+
+
+WORKSPACE_ENV = "TRAINER_TESTS_WORKSPACE"
+
+
+@cache
+def workspace() -> Path:
+    """A temporary directory for the whole pytest process (dataset, configs, runs), removed at
+    exit; child processes find it through an environment variable."""
+    if WORKSPACE_ENV not in os.environ:
+        path = tempfile.mkdtemp(prefix="trainer-tests-")
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
+        os.environ[WORKSPACE_ENV] = path
+    return Path(os.environ[WORKSPACE_ENV])
+
+
+@cache
+def char_dataset() -> Path:
+    """Character-level Shakespeare (first 80 documents), windows of 33 characters."""
+    from data_pipeline.prepare import prepare
+
+    path = workspace() / "shakespeare-char-32"
+    prepare("shakespeare", str(path), seq_len=32, val_fraction=0.05, tokenizer="char",
+            max_docs=80, num_proc=1)
+    return path
+
+
+def base_config_file() -> Path:
+    """The test config (written once); runs differ by command-line overrides."""
+    path = workspace() / "base.yaml"
+    if not path.exists():
+        config = {**BASE_CONFIG, "output_root": str(workspace() / "runs"),
+                  "data": {**BASE_CONFIG["data"], "path": str(char_dataset())}}
+        path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def run_overrides(family: str, stage: int) -> list[str]:
+    return [f"model.flavor={FAMILIES[family]}", f"zero.stage={stage}"]
+
+
+def lower_priority() -> None:
+    """preexec_fn for training processes that a test interrupts: niced, so that on a busy
+    machine the test process gets the CPU promptly when it is time to send the signal."""
+    os.nice(10)
+
+
+def process_tree(pid: int) -> list[int]:
+    """pid and all its descendants (torchrun starts each worker in a session of its own, so
+    killing torchrun's process group would leave the trainers running)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo.extend(children.get(tree[-1], []))
+    return tree
+
+
+def remove_leaked_shared_memory() -> None:
+    """Remove the shared memory that streaming's datasets of killed test runs leave in /dev/shm:
+    the segments of every prefix whose `locals` record names a directory of this workspace.
+    (streaming's own clean_stale_shared_memory would remove other jobs' live segments too.)"""
+    shm = Path("/dev/shm")
+    for record in shm.glob("*_locals"):
+        try:
+            mine = str(workspace()).encode() in record.read_bytes()
+        except OSError:
+            continue
+        if mine:
+            for segment in shm.glob(record.name.removesuffix("locals") + "*"):
+                segment.unlink(missing_ok=True)
+
+
+def child_env(**extra: str) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    return {**env, **extra}
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_command(module_args: list[str], nproc: int = 2) -> list[str]:
+    return [PYTHON, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+            "--master_addr=127.0.0.1", f"--master_port={free_port()}", *module_args]
+
+
+def train_command(overrides: list[str], nproc: int = 2) -> list[str]:
+    args = ["-m", "pretrain.train", "--config", str(base_config_file()), *overrides]
+    return torchrun_command(args, nproc) if nproc > 1 else [PYTHON, *args]
+
+
+def run_dir(name: str) -> Path:
+    return workspace() / "runs" / name
+
+
+def scalars(name: str, tag: str) -> dict[int, float]:
+    """step -> value of a run's TensorBoard scalar (the last value written for a step)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir(name) / "tb"), size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    return {e.step: e.value for e in events.Scalars(tag)}
+
+
+def matrix_cells() -> list[tuple[str, int]]:
+    return [(family, stage) for family in FAMILIES for stage in STAGES]
+
+
+def reference_name(family: str, stage: int) -> str:
+    return f"{family}-z{stage}"
+
+
+@cache
+def resume_matrix() -> subprocess.CompletedProcess:
+    """Train every cell uninterrupted and resumed (one torchrun launch); see the module doc."""
+    base_config_file()
+    result = subprocess.run(torchrun_command([str(Path(__file__).resolve())]),
+                            env=child_env(), cwd=REPO, capture_output=True, text=True, timeout=600)
+    if result.returncode != 0:
+        raise RuntimeError(f"resume matrix failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
+    return result
+
+
+def _matrix_worker() -> None:
+    sys.path.insert(0, str(REPO))
+    from pretrain.config import load_config, validate
+    from pretrain.train import run
+
+    config_file = base_config_file()
+    for family, stage in matrix_cells():
+        name = reference_name(family, stage)
+        overrides = run_overrides(family, stage)
+        for run_name, extra in ((name, []),
+                                (name + "-resumed", [f"resume={run_dir(name)}/ckpt/step_{RESUME_STEP:08d}"])):
+            cfg = load_config(config_file, [*overrides, f"run_name={run_name}", *extra])
+            validate(cfg, int(os.environ["WORLD_SIZE"]), has_gpu=False)
+            if run(cfg) != 0:
+                raise SystemExit(f"{run_name} did not finish")
+    print(json.dumps({"cells": matrix_cells()}))
+
+
+if __name__ == "__main__":
+    _matrix_worker()
