@@ -28,7 +28,7 @@ import numpy as np
 
 from data_pipeline.packing import dataset_fingerprint, read_manifest, write_splits
 from data_pipeline.sources import DataError
-from data_pipeline.tokenizer import WordTokenizer
+from data_pipeline.tokenizer import WordTokenizer, tokenizer_from_spec
 
 OPERATORS = ("add_10", "max_10", "median_10")
 DIGITS = tuple(str(d) for d in range(10))
@@ -177,7 +177,7 @@ def listops_test_examples(data_dir: str, split: str = "test") -> list[tuple[list
     manifest = read_manifest(data_dir)
     if manifest.get("tokenizer") != "listops":
         raise DataError(f"{data_dir} is not a ListOps dataset")
-    tokenizer = WordTokenizer(manifest["vocab"], EOS)
+    tokenizer = tokenizer_from_spec(manifest)
     examples = []
     with open(os.path.join(data_dir, "examples", f"{split}.txt"), encoding="utf-8") as f:
         for line in f:
