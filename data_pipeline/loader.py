@@ -252,5 +252,8 @@ def build_loader(data_dir: str, split: str, *, micro_batch_size: int, seed: int,
         check_shard_sizes(dataset.shards)
     dataloader = streaming.StreamingDataLoader(
         dataset, batch_size=micro_batch_size, num_workers=num_workers, drop_last=True,
-        collate_fn=split_inputs_targets, pin_memory=pin_memory)
+        collate_fn=split_inputs_targets, pin_memory=pin_memory,
+        # DataLoader draws its workers' base seed at every epoch start; from its own generator
+        # that draw leaves the global torch RNG (the trainer's) untouched.
+        generator=torch.Generator().manual_seed(seed))
     return TokenLoader(dataset, dataloader, manifest, split, repeat)

@@ -66,6 +66,15 @@ def test_one_epoch_reads_every_window_once_and_epochs_continue(tiny_dataset):
     assert loader.epoch == 2
 
 
+def test_iterating_leaves_the_global_rng_alone(tiny_dataset):
+    loader = build_loader(tiny_dataset, "val", micro_batch_size=4, seed=0)
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    take(loader, len(loader) + 2)  # crosses an epoch boundary: a new DataLoader iterator
+    assert torch.equal(torch.rand(3), expected)
+
+
 def test_order_is_deterministic_per_seed(tiny_dataset):
     first = take(build_loader(tiny_dataset, "train", micro_batch_size=4, seed=7), 12)
     again = take(build_loader(tiny_dataset, "train", micro_batch_size=4, seed=7, num_workers=0),
