@@ -43,15 +43,16 @@ def train_step(model, idx):
     model(idx, torch.roll(idx, -1, dims=1)).loss.backward()
 
 
-def seconds_per_step(models: dict, idx, rounds: int) -> dict[str, float]:
-    """Minimum over `rounds` of the CPU time of one forward + backward, contenders interleaved."""
+def seconds_per_step(models: dict, idx, rounds: int, step=train_step) -> dict[str, float]:
+    """Minimum over `rounds` of the CPU time of one `step(model, idx)` (by default a forward +
+    backward), contenders interleaved."""
     for model in models.values():
-        train_step(model, idx)  # warm-up
+        step(model, idx)  # warm-up
     best = {label: float("inf") for label in models}
     for _ in range(rounds):
         for label, model in models.items():
             start = time.process_time()
-            train_step(model, idx)
+            step(model, idx)
             best[label] = min(best[label], time.process_time() - start)
     return best
 

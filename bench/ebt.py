@@ -1,0 +1,106 @@
+"""EBT benchmarks on CPU, beside `bench.models` (which times EBT's training step against
+Transformer++ and measures checkpointing memory):
+
+1. The analytic FLOP count (`flops_per_token`) against the FLOPs the step actually executes
+   (torch's FlopCounterMode, attention through SDPA's math backend so that it is counted).
+2. Inference ("thinking"): a `think` call of 1, 2 and 4 descent steps against a Transformer++
+   forward of the same backbone, measured and analytic.
+3. Memory kept per descent step with step checkpointing, in units of one candidate tensor
+   [B, T, V] (the step's input, which the recurrence must keep: the floor is 1).
+
+    python -m bench.ebt [--width 256 --heads 4 --seq-len 256 --batch 4 --layers 4 --rounds 10]
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from bench.memory import peak_allocated_bytes
+from bench.models import Contender, build_contender, print_table, seconds_per_step, train_step
+
+BASELINE = Contender("transformer_pp", "transformer_pp-tiny")
+TRAINING = [
+    BASELINE,
+    Contender("ebt S1, observed stream reused", "ebt-tiny"),
+    Contender("ebt S1, step conditioning", "ebt-tiny", {"time_embed": True, "reuse_observed_stream": False}),
+    Contender("ebt S2, 3 steps, last-step graph", "ebt-s2-tiny", {"min_steps": 0, "replay_buffer_size": 0}),
+]
+
+
+def build_model(contender: Contender, args, **overrides) -> torch.nn.Module:
+    return build_contender(Contender(contender.label, contender.flavor,
+                                     {"n_layer": args.layers, **contender.overrides, **overrides}), args)
+
+
+def executed_flops(args, idx) -> None:
+    rows = []
+    for contender in TRAINING:
+        model = build_model(contender, args)
+        with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
+            train_step(model, idx)
+        executed = counter.get_total_flops() / idx.numel()
+        analytic = model.flops_per_token(args.seq_len)
+        rows.append((contender.label, f"{executed / 1e6:.2f}", f"{analytic / 1e6:.2f}",
+                     f"{executed / analytic:.3f}"))
+    print("1. Training step FLOPs per token: executed (FlopCounterMode) vs flops_per_token")
+    print_table(("contender", "executed MFLOP", "analytic MFLOP", "executed / analytic"), rows)
+
+
+def thinking_costs(args, idx) -> None:
+    models = {"transformer_pp forward": build_model(BASELINE, args).eval()}
+    for steps in (1, 2, 4):
+        models[f"ebt think, {steps} step(s)"] = build_model(TRAINING[1], args, n_steps=steps).eval()
+
+    def infer(model, tokens):
+        with torch.no_grad():
+            if hasattr(model, "think"):
+                model.think(tokens)
+            else:
+                model(tokens)
+
+    seconds = seconds_per_step(models, idx, args.rounds, step=infer)
+    base = "transformer_pp forward"
+    rows = [(label, f"{seconds[label] * 1e3:.1f}", f"{seconds[label] / seconds[base]:.2f}",
+             f"{model.flops_per_token(args.seq_len, training=False) / models[base].flops_per_token(args.seq_len, training=False):.2f}")
+            for label, model in models.items()]
+    print("2. Inference with thinking (observed stream reused), CPU time of one call")
+    print_table(("contender", "ms", "time / forward", "FLOPs / forward"), rows)
+
+
+def checkpointed_growth(args, idx) -> None:
+    peaks = {}
+    for n_steps in (2, 8):
+        model = build_model(TRAINING[1], args, n_steps=n_steps, activation_checkpointing="step")
+        peaks[n_steps] = peak_allocated_bytes(lambda: train_step(model, idx))
+    candidate = idx.numel() * args.vocab * 4
+    growth = (peaks[8] - peaks[2]) / 6 / candidate
+    print(f"3. Step-checkpointed S1: peak {peaks[2] / 2**20:.1f} MiB at 2 steps, {peaks[8] / 2**20:.1f} MiB "
+          f"at 8; kept per extra step: {growth:.2f} candidate tensors of {candidate / 2**20:.1f} MiB\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    idx = torch.randint(0, args.vocab, (args.batch, args.seq_len))
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, D={args.width}, "
+          f"{args.heads} heads, T={args.seq_len}, B={args.batch}, V={args.vocab}, {args.layers} layers\n")
+    executed_flops(args, idx)
+    thinking_costs(args, idx)
+    checkpointed_growth(args, idx)
+
+
+if __name__ == "__main__":
+    main()
