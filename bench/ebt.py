@@ -8,7 +8,7 @@ Transformer++ and measures checkpointing memory):
 3. Memory kept per descent step with step checkpointing, in units of one candidate tensor
    [B, T, V] (the step's input, which the recurrence must keep: the floor is 1).
 
-    python -m bench.ebt [--width 256 --heads 4 --seq-len 256 --batch 4 --layers 4 --rounds 10]
+    python -m bench.ebt [--width 256 --heads 4 --seq-len 256 --batch 4 --steps 4 --rounds 10]
 """
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from bench.memory import peak_allocated_bytes
-from bench.models import Contender, build_contender, print_table, seconds_per_step, train_step
+from bench.models import (Contender, add_shape_arguments, build_contender, print_table, seconds_per_step,
+                          train_step)
 
 BASELINE = Contender("transformer_pp", "transformer_pp-tiny")
 TRAINING = [
@@ -32,7 +33,7 @@ TRAINING = [
 
 def build_model(contender: Contender, args, **overrides) -> torch.nn.Module:
     return build_contender(Contender(contender.label, contender.flavor,
-                                     {"n_layer": args.layers, **contender.overrides, **overrides}), args)
+                                     {"n_layer": args.steps, **contender.overrides, **overrides}), args)
 
 
 def executed_flops(args, idx) -> None:
@@ -83,20 +84,13 @@ def checkpointed_growth(args, idx) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--threads", type=int, default=1, help="intra-op threads")
+    add_shape_arguments(parser)  # --steps: the number of layers here
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     idx = torch.randint(0, args.vocab, (args.batch, args.seq_len))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, D={args.width}, "
-          f"{args.heads} heads, T={args.seq_len}, B={args.batch}, V={args.vocab}, {args.layers} layers\n")
+          f"{args.heads} heads, T={args.seq_len}, B={args.batch}, V={args.vocab}, {args.steps} layers\n")
     executed_flops(args, idx)
     thinking_costs(args, idx)
     checkpointed_growth(args, idx)

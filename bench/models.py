@@ -136,8 +136,8 @@ def memory_costs(args, idx) -> None:
     print_table(("family", "checkpointing", "2 steps", "4 steps", "8 steps", "8 / 2"), rows)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model shape and timing options of the model benchmarks (this one and bench.ebt)."""
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=256)
@@ -146,6 +146,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="recurrent steps / layers")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_shape_arguments(parser)
     parser.add_argument("--only", choices=("families", "ebt", "memory"), default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
