@@ -1,5 +1,6 @@
 """Properties every model family must have, checked on each registered `*-tiny` flavor:
-the output contract, causality, and activation checkpointing that changes nothing but memory."""
+the output contract, causality, and activation checkpointing that changes nothing but memory;
+plus the paper-scale parameter counts and the flavor table."""
 import dataclasses
 import itertools
 
@@ -103,6 +104,15 @@ def test_activation_checkpointing_keeps_peak_memory_flat_in_the_number_of_steps(
         assert growth_on < 0.25 * growth_off and peaks[mode, 8] < 0.75 * peaks["off", 8]
     else:
         assert peaks[mode, 8] < 1.1 * peaks[mode, 2]
+
+
+@pytest.mark.parametrize("flavor, expected", [
+    ("gpt-124m", 124.4e6), ("gpt_rec-85m", 85.2e6), ("nrgpt-ff2w-90m", 90.5e6), ("nrgpt-ff2w-128m", 125.6e6),
+])
+def test_paper_scale_parameter_counts(flavor, expected):
+    with torch.device("meta"):
+        model = build(resolve(flavor))
+    assert abs(model.num_params() / expected - 1) < 0.01
 
 
 def test_flavor_table_lists_every_flavor(capsys):
