@@ -18,6 +18,16 @@ from pretrain.models import build, resolve
 from pretrain.models.ebt import EBT, EBTConfig, EnergyDescent, token_losses, two_stream_attention
 from pretrain.models.llama import apply_rotary, rotary_tables
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """These models are tiny: a second intra-op thread buys nothing, and when other processes
+    hold the cores its synchronisation makes each small matmul orders of magnitude slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 STEP_CONDITIONED = dict(time_embed=True, reuse_observed_stream=False)
 S2_OPTIONS = dict(n_steps=3, min_steps=2, alpha=5.0, alpha_learnable=False, alpha_randomize=2.0,
                   langevin_noise_std=3.0, detach_between_steps=False, truncate_loss=True)
