@@ -39,7 +39,8 @@ def train_and_evaluate(path: str, key: str, evaluate: Callable[[RunSpec, Path], 
     if sweep.threads_per_process is not None:  # the evaluation here runs like the runs did
         torch.set_num_threads(sweep.threads_per_process)
     finished = []
-    planned = launch.plan(sweep)
+    # Smallest models first: every group advances together, and the costly runs come last.
+    planned = sorted(launch.plan(sweep), key=lambda item: item[0].non_embedding_params)
     for i, (run, config_path) in enumerate(planned, 1):
         rc = 0 if is_finished(sweep, run) else launch.train_run(sweep, run, config_path,
                                                                 f"[{i}/{len(planned)}]")
