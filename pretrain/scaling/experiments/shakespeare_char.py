@@ -19,8 +19,8 @@ from pretrain.scaling.sweep import load_sweep
 SWEEP = "configs/scaling/shakespeare_char.yaml"
 SCENES = 150
 VAL_FRACTION = 0.1
-LOSS_BATCHES = 40
-"""Micro-batches of each split for the final train and val losses (40 x 16 x 128 characters)."""
+LOSS_BATCHES = 80
+"""Micro-batches of each split for the final train and val losses (80 x 8 x 128 characters)."""
 
 
 def main() -> int:
