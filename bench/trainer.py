@@ -23,52 +23,63 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 
 
-def bare_step_times(model_config, batches, lr: float, clip: float, steps: int) -> list[float]:
-    from pretrain.models import build
+class BareLoop:
+    """The reference: forward, backward, global-norm clipping and AdamW, nothing else."""
 
-    torch.manual_seed(0)
-    model = build(model_config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95))
-    times = []
-    for i in range(steps):
-        inputs, targets = batches[i % len(batches)]
-        start = time.perf_counter()
-        loss = model(inputs, targets).loss
+    def __init__(self, model_config, batches, lr: float, clip: float):
+        from pretrain.models import build
+
+        torch.manual_seed(0)
+        self.model = build(model_config)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95))
+        self.batches, self.clip, self.i = batches, clip, 0
+
+    def step(self) -> None:
+        inputs, targets = self.batches[self.i % len(self.batches)]
+        self.i += 1
+        loss = self.model(inputs, targets).loss
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
         loss.item()  # the trainer syncs once per step too
-        times.append(time.perf_counter() - start)
-    return times
 
 
-def trainer(config_file: Path, overrides: list[str]):
-    from pretrain.config import load_config, validate
-    from pretrain.train import Trainer
+class TrainerLoop:
+    """The trainer's own step (`Trainer.train_step`) on the same in-memory batches."""
 
-    cfg = load_config(config_file, overrides)
-    validate(cfg, world_size=1, has_gpu=False)
-    run = Trainer(cfg)
-    run.setup()
-    return run
+    def __init__(self, config_file: Path, overrides: list[str], batches):
+        from pretrain.config import load_config, validate
+        from pretrain.train import Trainer
+
+        cfg = load_config(config_file, overrides)
+        validate(cfg, world_size=1, has_gpu=False)
+        self.run = Trainer(cfg)
+        self.run.setup()
+        self.run.batches = (batch for _ in range(10**9) for batch in batches)
+
+    def step(self) -> None:
+        self.run.train_step(log_now=False)
+        self.run.state.step += 1
 
 
-def trainer_step_times(run, batches, steps: int) -> list[float]:
-    run.batches = iter(batches * (steps // len(batches) + 1))
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        run.train_step(log_now=False)
-        run.state.step += 1
-        times.append(time.perf_counter() - start)
-    return times
+def side_by_side(contenders: dict, steps: int, warmup: int) -> dict[str, float]:
+    """Median seconds per step of each contender, taking their steps in turn so that the load
+    of a shared machine falls on all of them alike."""
+    times = {name: [] for name in contenders}
+    for i in range(warmup + steps):
+        for name, loop in contenders.items():
+            start = time.perf_counter()
+            loop.step()
+            if i >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--flavor", default="gpt-mini")
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--micro-batch", type=int, default=8)
     args = parser.parse_args()
@@ -91,29 +102,22 @@ def main() -> None:
         config_file.write_text(yaml.safe_dump(config))
         loader = build_loader(str(data), "train", micro_batch_size=args.micro_batch, seed=0, num_workers=0)
         batches = [batch for batch, _ in zip(loader, range(8))]
-        warmup = 5
 
-        runs = {stage: trainer(config_file, [f"zero.stage={stage}", f"run_name=zero{stage}"])
-                for stage in (0, 1, 2, 3)}
-        model_config = runs[0].model_config
+        trainers = {stage: TrainerLoop(config_file, [f"zero.stage={stage}", f"run_name=zero{stage}"], batches)
+                    for stage in (0, 1, 2, 3)}
+        first = trainers[0].run
+        contenders = {"bare PyTorch loop": BareLoop(first.model_config, batches, 1e-3, 1.0),
+                      **{f"trainer, ZeRO-{stage}": loop for stage, loop in trainers.items()}}
+        results = side_by_side(contenders, args.steps, warmup=3)
         tokens = args.micro_batch * args.seq_len
-        results = {}
-        for _ in range(2):  # interleave the contenders, keep each one's best round
-            median = statistics.median(bare_step_times(model_config, batches, 1e-3, 1.0, args.steps + warmup)[warmup:])
-            results["bare PyTorch loop"] = min(results.get("bare PyTorch loop", median), median)
-            for stage, run in runs.items():
-                name = f"trainer, ZeRO-{stage}"
-                median = statistics.median(trainer_step_times(run, batches, args.steps + warmup)[warmup:])
-                results[name] = min(results.get(name, median), median)
-
         bare = results["bare PyTorch loop"]
-        print(f"{args.flavor}: {runs[0].params / 1e6:.2f}M params, {tokens} tokens per step, "
-              f"{args.steps} steps (median of each, best of 2 interleaved rounds), 1 process, fp32")
+        print(f"{args.flavor}: {first.params / 1e6:.2f}M params, {tokens} tokens per step, median of "
+              f"{args.steps} steps each (contenders in turn), 1 process, fp32")
         print(f"{'loop':<22}{'ms/step':>10}{'tokens/s':>12}{'vs bare':>10}")
         for name, seconds in results.items():
             print(f"{name:<22}{seconds * 1e3:>10.1f}{tokens / seconds:>12,.0f}{bare / seconds:>10.2f}")
 
-        run = runs[2]
+        run = trainers[2].run
         start = time.perf_counter()
         run.save()
         save = time.perf_counter() - start
@@ -123,10 +127,10 @@ def main() -> None:
         run._load(tag)
         load = time.perf_counter() - start
         step = results["trainer, ZeRO-2"]
-        print(f"checkpoint (ZeRO-2, {size / 1e6:.1f} MB): save {save * 1e3:.0f} ms = {save / step:.1f} steps, "
-              f"load {load * 1e3:.0f} ms = {load / step:.1f} steps")
-        for run in runs.values():
-            run.close()
+        print(f"checkpoint (ZeRO-2, {size / 1e6:.1f} MB): save {save * 1e3:.0f} ms = {save / step:.2f} steps, "
+              f"load {load * 1e3:.0f} ms = {load / step:.2f} steps")
+        for loop in trainers.values():
+            loop.run.close()
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -94,6 +94,7 @@ class Trainer:
         self.run_dir = cfg.run_dir
         self.ckpt_dir = self.run_dir / "ckpt"
         self.state = TrainState()
+        self.batches = None
         self.faults_fired: set[int] = set()
         self.session_start = time.perf_counter()
         self.session_train_s = 0.0
@@ -148,7 +149,8 @@ class Trainer:
                                        seed=cfg.seed, shuffle=False, num_workers=0, repeat=False)
         if resume_from is not None:
             self._load(resume_from)
-        self.batches = iter(self.loader)
+        else:
+            self._restart_batches()
 
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -224,6 +226,12 @@ class Trainer:
             saved.wall_time_s, self.session_start = self._wall_time(), time.perf_counter()
         self.state = saved
         self.loader.load_state_dict(client_state["loader"])
+        self._restart_batches()
+
+    def _restart_batches(self) -> None:
+        """Iterate the train loader from its current state (stopping a previous iteration's workers)."""
+        if self.batches is not None:
+            self.batches.close()
         self.batches = iter(self.loader)
 
     def _wall_time(self) -> float:
@@ -387,6 +395,8 @@ class Trainer:
         """Stop the data loader workers and release streaming's shared memory now rather than
         whenever garbage collection gets to it, so that a next run in the same process starts
         clean; restore the signal handlers."""
+        if self.batches is not None:
+            self.batches.close()
         for name in ("batches", "loader", "val_loader", "engine"):
             self.__dict__.pop(name, None)
         gc.collect()

@@ -25,6 +25,9 @@ REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 FAMILIES = {"gpt": "gpt-tiny", "nrgpt": "nrgpt-tiny", "ebt": "ebt-tiny"}
 STAGES = (1, 2, 3)
+EXTRA_CELLS = {"ebt_s2": ("ebt-s2-tiny", 2)}
+"""Beyond families x stages: EBT's S2 recipe (random step counts and step sizes, Langevin
+noise, a replay buffer that differs per rank) under ZeRO-2."""
 N_STEPS = 12
 """Steps of every test run; checkpoints every CKPT_INTERVAL steps."""
 CKPT_INTERVAL = 4
@@ -34,7 +37,8 @@ RESUME_STEP = 4
 BASE_CONFIG = {
     "seed": 7,
     "model": {"flavor": "gpt-tiny"},
-    "data": {"seq_len": 32, "micro_batch_size": 4, "num_workers": 1},
+    # 2 sequences x 2 ranks x 2 accumulation steps = the global batch of 8
+    "data": {"seq_len": 32, "micro_batch_size": 2, "num_workers": 1},
     "optimizer": {"lr": 3e-3},
     "schedule": {"kind": "cosine", "warmup_steps": 2, "min_lr": 3e-4},
     "train": {"max_steps": N_STEPS, "global_batch_size": 8, "log_interval": 1},
@@ -80,7 +84,8 @@ def base_config_file() -> Path:
 
 
 def run_overrides(family: str, stage: int) -> list[str]:
-    return [f"model.flavor={FAMILIES[family]}", f"zero.stage={stage}"]
+    flavor = FAMILIES[family] if family in FAMILIES else EXTRA_CELLS[family][0]
+    return [f"model.flavor={flavor}", f"zero.stage={stage}"]
 
 
 def lower_priority() -> None:
@@ -160,7 +165,8 @@ def scalars(name: str, tag: str) -> dict[int, float]:
 
 
 def matrix_cells() -> list[tuple[str, int]]:
-    return [(family, stage) for family in FAMILIES for stage in STAGES]
+    return [(family, stage) for family in FAMILIES for stage in STAGES] + \
+        [(name, stage) for name, (_, stage) in EXTRA_CELLS.items()]
 
 
 def reference_name(family: str, stage: int) -> str:
