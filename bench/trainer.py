@@ -83,6 +83,8 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--micro-batch", type=int, default=8)
     args = parser.parse_args()
+    # one thread: on a shared machine, intra-op threads that wait for busy cores dominate
+    torch.set_num_threads(1)
 
     from data_pipeline.loader import build_loader
     from data_pipeline.prepare import prepare
@@ -112,7 +114,7 @@ def main() -> None:
         tokens = args.micro_batch * args.seq_len
         bare = results["bare PyTorch loop"]
         print(f"{args.flavor}: {first.params / 1e6:.2f}M params, {tokens} tokens per step, median of "
-              f"{args.steps} steps each (contenders in turn), 1 process, fp32")
+              f"{args.steps} steps each (contenders in turn), 1 process, 1 thread, fp32")
         print(f"{'loop':<22}{'ms/step':>10}{'tokens/s':>12}{'vs bare':>10}")
         for name, seconds in results.items():
             print(f"{name:<22}{seconds * 1e3:>10.1f}{tokens / seconds:>12,.0f}{bare / seconds:>10.2f}")

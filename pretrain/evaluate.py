@@ -59,15 +59,16 @@ def evaluate(engine, val_loader, settings: EvalSection, device: torch.device, se
     try:
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed)
-            totals = torch.zeros(1 + (settings.think_steps if thinks else 0), dtype=torch.float64)
+            # on the device: NCCL reduces only device tensors, and no host sync per batch
+            totals = torch.zeros(1 + (settings.think_steps if thinks else 0), dtype=torch.float64, device=device)
             first_inputs = None
             for inputs, targets in islice(cycle(val_loader), settings.batches):
                 inputs, targets = inputs.to(device), targets.to(device)
                 first_inputs = inputs if first_inputs is None else first_inputs
-                totals[0] += engine(inputs, targets).loss.double().cpu()
+                totals[0] += engine(inputs, targets).loss.double()
                 if thinks:
                     curve = model.think(inputs, steps=settings.think_steps, targets=targets).loss_per_step
-                    totals[1:] += curve.double().cpu()
+                    totals[1:] += curve.double()
             dist.all_reduce(totals)
             means = (totals / (settings.batches * dist.get_world_size())).tolist()
             sample = None
