@@ -99,6 +99,8 @@ class Trainer:
         self.session_start = time.perf_counter()
         self.session_train_s = 0.0
         self.session_tokens = 0
+        # throughput accumulators since the last log point
+        self.interval = dict.fromkeys(("steps", "time_s", "tokens", "data_wait_s"), 0.0)
         # preemption: finish the step, save, exit with EXIT_PREEMPTED
         self.stop_signal = 0
         self.previous_handlers = {signum: signal.signal(signum, self._on_signal)
@@ -241,22 +243,13 @@ class Trainer:
 
     def train(self) -> int:
         cfg = self.cfg
-        interval_time = interval_tokens = interval_wait = 0.0
         consecutive_skips = 0
         last_eval = last_save = -1
         while self.state.step < self.total_steps:
-            step = self.state.step
-            # the first step too, so that curves and console show where the loss started
-            log_now = (step + 1) % cfg.train.log_interval == 0 or step + 1 in (1, self.total_steps)
-            t0 = time.perf_counter()
+            update = self.state.step + 1
+            # the first update too, so that curves and console show where the loss started
+            log_now = update % cfg.train.log_interval == 0 or update in (1, self.total_steps)
             result = self.train_step(log_now)
-            step_time = time.perf_counter() - t0
-            self.session_train_s += step_time
-            self.session_tokens += cfg.tokens_per_step
-            interval_time += step_time
-            interval_tokens += cfg.tokens_per_step
-            interval_wait += result["data_wait_s"]
-
             self.state.step += 1
             self.state.tokens_seen += cfg.tokens_per_step
             self.state.samples_seen += cfg.train.global_batch_size
@@ -269,30 +262,8 @@ class Trainer:
             else:
                 consecutive_skips = 0
                 self.state.last_train_loss = result["loss"]
-
             if log_now:
-                values = {"train/lr/" + name: lr for name, lr in result["lrs"].items()}
-                values["train/lr"] = result["lr"]
-                if not result["nonfinite"]:
-                    values["train/loss"] = result["loss"]
-                if result["grad_norm"] is not None:
-                    values["train/grad_norm"] = result["grad_norm"]
-                tokens_per_s = interval_tokens / interval_time
-                values.update({
-                    "train/tokens_seen": self.state.tokens_seen,
-                    "train/tokens_per_s": tokens_per_s,
-                    "train/step_time_s": interval_time / (interval_tokens / cfg.tokens_per_step),
-                    "train/data_wait_frac": interval_wait / interval_time,
-                    "train/tflops": achieved_tflops(self.flops_per_token, tokens_per_s),
-                    "train/peak_mem_gb": _peak_memory_gb(self.on_gpu),
-                    "train/skipped_steps": self.state.skipped_steps,
-                    **result["diagnostics"]})
-                if self.peak_tflops:
-                    values["train/mfu"] = mfu(self.flops_per_token, tokens_per_s, self.world_size,
-                                              self.peak_tflops)
-                self.metrics.scalars(self.state.step, values)
-                self.metrics.console(self.state.step, values)
-                interval_time = interval_tokens = interval_wait = 0.0
+                self.log(result)
 
             if consecutive_skips >= cfg.train.max_consecutive_skips:
                 self._reload_after_nonfinite(consecutive_skips)
@@ -322,9 +293,35 @@ class Trainer:
         self.metrics.close()
         return 0
 
+    def log(self, result: dict) -> None:
+        """TensorBoard scalars and the console line of the step just taken; throughput figures
+        are averages over the steps since the previous log point."""
+        interval = self.interval
+        values = {"train/lr": result["lr"], **{"train/lr/" + name: lr for name, lr in result["lrs"].items()}}
+        if not result["nonfinite"]:
+            values["train/loss"] = result["loss"]
+        if result["grad_norm"] is not None:
+            values["train/grad_norm"] = result["grad_norm"]
+        tokens_per_s = interval["tokens"] / interval["time_s"]
+        values.update({
+            "train/tokens_seen": self.state.tokens_seen,
+            "train/tokens_per_s": tokens_per_s,
+            "train/step_time_s": interval["time_s"] / interval["steps"],
+            "train/data_wait_frac": interval["data_wait_s"] / interval["time_s"],
+            "train/tflops": achieved_tflops(self.flops_per_token, tokens_per_s),
+            "train/peak_mem_gb": _peak_memory_gb(self.on_gpu),
+            "train/skipped_steps": self.state.skipped_steps,
+            **result["diagnostics"]})
+        if self.peak_tflops:
+            values["train/mfu"] = mfu(self.flops_per_token, tokens_per_s, self.world_size, self.peak_tflops)
+        self.metrics.scalars(self.state.step, values)
+        self.metrics.console(self.state.step, values)
+        self.interval = dict.fromkeys(interval, 0.0)
+
     def train_step(self, log_now: bool) -> dict:
         """One optimizer step over `grad_accum` micro-batches on every rank."""
         engine, cfg = self.engine, self.cfg
+        start = time.perf_counter()
         step = self.state.step
         lr = cfg.optimizer.lr * lr_factor(step, cfg.schedule, cfg.optimizer.lr, self.total_steps)
         lrs = set_lr(engine.optimizer, self.group_infos, lr)
@@ -364,8 +361,14 @@ class Trainer:
         grad_norm = float(engine.get_global_grad_norm()) if applied and engine.get_global_grad_norm() is not None else None
         # fp16 loss scaling skips overflowing steps by design; those are not faults
         skipped_by_fault = nonfinite_total > 0 or (not applied and self.precision != "fp16")
+        step_time = time.perf_counter() - start
+        for key, value in (("steps", 1), ("time_s", step_time), ("tokens", cfg.tokens_per_step),
+                           ("data_wait_s", data_wait)):
+            self.interval[key] += value
+        self.session_train_s += step_time
+        self.session_tokens += cfg.tokens_per_step
         return {"loss": loss_total / (self.grad_accum * self.world_size), "nonfinite": skipped_by_fault, "lr": lr,
-                "grad_norm": grad_norm, "lrs": lrs, "data_wait_s": data_wait,
+                "grad_norm": grad_norm, "lrs": lrs,
                 "diagnostics": diagnostics, "stop": stop > 0}
 
     def _maybe_inject_fault(self, loss: torch.Tensor, step: int) -> torch.Tensor:
