@@ -43,6 +43,11 @@ class ModelSection:
     activation_checkpointing: str | None = None
     """"off", "step" (each unrolled recurrent/descent step) or "block" (each transformer block),
     recomputed in backward; None keeps the flavor's setting."""
+    compile: str = "off"
+    """torch.compile the model through DeepSpeed's engine.compile: "off", or a torch.compile
+    backend ("inductor" for generated kernels; "aot_eager" traces without generating code, for
+    debugging). Off by default: not yet measured to pay on GPU (docs/benchmarks.md). Refused for
+    families that differentiate inside forward (EBT), which torch.compile does not handle."""
 
 
 @dataclass
@@ -77,6 +82,10 @@ class OptimizerSection:
     EBT's alpha (the model's `no_weight_decay_names`)."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
+    fused: bool | None = None
+    """Use torch AdamW's fused kernel (the whole update in a few kernel launches) instead of
+    the multi-tensor one; None: fused on GPU, not on CPU. DeepSpeedCPUAdam replaces AdamW with
+    `zero.offload_optimizer`."""
     lr_multipliers: dict[str, float] = field(default_factory=dict)
     """Extra learning-rate multipliers, glob pattern over parameter names -> factor, applied on
     top of the model's own (`lr_multipliers()`, e.g. EBT's alpha). Each gets its own group."""
@@ -115,6 +124,9 @@ class TrainSection:
     """Checkpoint reloads allowed for non-finite updates before the run stops with an error."""
     peak_tflops: float | None = None
     """Peak dense TFLOP/s of one device for MFU; None looks the device up in pretrain.flops."""
+    tf32: bool = True
+    """On GPU, let float32 matmuls use TF32 tensor cores (fp32 runs, and the float32 parts of
+    bf16 runs); no effect on CPU."""
 
 
 @dataclass
@@ -400,7 +412,7 @@ def validate(cfg: RunConfig, world_size: int, has_gpu: bool) -> None:
     require(0 <= cfg.fault.nan_loss_rank < world_size, "fault.nan_loss_rank",
             f"must be a rank of this run (0..{world_size - 1})")
 
-    from pretrain.models import resolve  # the registry; imported late to keep config light
+    from pretrain.models import model_class, resolve  # the registry; imported late to keep config light
     try:
         model_config = resolve(cfg.model.flavor, cfg.model.overrides)
     except (ValueError, TypeError) as e:
@@ -408,9 +420,20 @@ def validate(cfg: RunConfig, world_size: int, has_gpu: bool) -> None:
     block_size = cfg.model.overrides.get("block_size")
     require(block_size is None or block_size >= cfg.data.seq_len, "model.overrides",
             f"block_size={block_size} is shorter than data.seq_len={cfg.data.seq_len}")
+    require(cfg.model.compile == "off" or cfg.model.compile in _compile_backends(), "model.compile",
+            "must be 'off' or a torch.compile backend such as 'inductor'")
+    require(cfg.model.compile == "off" or not model_class(model_config).needs_double_backward,
+            "model.compile", f"flavor {cfg.model.flavor} differentiates inside its forward (double "
+            "backward), which torch.compile does not support; use 'off'")
     if not hasattr(model_config, "activation_checkpointing"):
         require(cfg.model.activation_checkpointing in (None, "off"), "model.activation_checkpointing",
                 f"flavor {cfg.model.flavor} has no activation checkpointing")
+
+
+def _compile_backends() -> list[str]:
+    import torch
+
+    return torch.compiler.list_backends(exclude_tags=())
 
 
 def get_key(node: RunConfig | dict, key: str) -> Any:

@@ -82,9 +82,22 @@ def deepspeed_config(cfg: RunConfig, world_size: int, precision: str) -> dict:
     }
 
 
-def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ds_config: dict):
+def configure_device_math(cfg: RunConfig, on_gpu: bool) -> None:
+    """Let float32 matmuls use TF32 tensor cores on GPU when `train.tf32` (fp32 runs, and the
+    float32 parts of bf16 runs). `set_float32_matmul_precision` is the one TF32 switch that
+    works on every torch this project meets: since torch 2.9, mixing the legacy `allow_tf32`
+    flags with the new `fp32_precision` ones raises when either is read back. CPU runs keep
+    torch's defaults (their losses are compared bit for bit across resumes)."""
+    if on_gpu:
+        torch.set_float32_matmul_precision("high" if cfg.train.tf32 else "highest")
+
+
+def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ds_config: dict,
+               compile_backend: str = "off"):
     """Wrap model and optimizer in a DeepSpeed engine. Modules that must be gathered whole under
-    ZeRO-3 (those calling autograd.grad in forward, e.g. EBT's descent) are marked as leaves."""
+    ZeRO-3 (those calling autograd.grad in forward, e.g. EBT's descent) are marked as leaves.
+    `compile_backend` other than "off" compiles the module through DeepSpeed's
+    `engine.compile` (torch.compile in place, so parameter and checkpoint names stay as they are)."""
     import deepspeed
     from deepspeed.utils import set_z3_leaf_modules
 
@@ -92,4 +105,6 @@ def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ds_conf
     if leaves and ds_config["zero_optimization"]["stage"] == 3:
         set_z3_leaf_modules(model, leaves)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    if compile_backend != "off":
+        engine.compile(backend=compile_backend)
     return engine

@@ -1,26 +1,43 @@
 """Model FLOP/s and MFU. The FLOPs per token of each family come from the model itself
-(`model.flops_per_token(seq_len, training=True)`, conventions in the model files); this module
-holds the per-device peak table and the arithmetic around it."""
+(`model.flops_per_token(seq_len, training=True)`, conventions in the model files: 2 FLOPs per
+multiply-accumulate of every matmul the implementation runs, attention over the full context,
+inner recurrent/descent loops and EBT's second-order backward included, activation
+checkpointing's recomputation not). This module holds the per-device peak table and the
+arithmetic around it."""
 from __future__ import annotations
 
 PEAK_BF16_TFLOPS = {
-    "H100 PCIe": 756.0,
-    "GH200": 989.0,
-    "H200": 989.0,
-    "H100": 989.0,
+    "GB200": 2500.0,
     "B200": 2250.0,
+    "H200 NVL": 835.0,
+    "H200": 989.0,
+    "GH200": 989.0,
+    "H100 NVL": 835.0,
+    "H100 PCIe": 756.0,
+    "H100": 989.0,
+    "H800": 989.0,
+    "H20": 148.0,
     "A100": 312.0,
+    "A800": 312.0,
     "L40S": 362.0,
+    "L40": 181.0,
     "L4": 121.0,
 }
-"""Dense (no sparsity) bf16 tensor-core peak TFLOP/s per device, by a substring of the device
-name as CUDA reports it (e.g. "NVIDIA H100 80GB HBM3"). Longer names are tried first, so
-"H100 PCIe" wins over "H100"."""
+"""Dense (no sparsity) bf16/fp16 tensor-core peak TFLOP/s per device (vendor datasheets, SXM
+boards unless named), by a substring of the device name as torch reports it
+(`torch.cuda.get_device_name()`, e.g. "NVIDIA H200", "NVIDIA H100 80GB HBM3",
+"NVIDIA A100-SXM4-80GB"). Longer keys are tried first, so "H100 PCIe" wins over "H100",
+"H200" over "H20" and "L40S" over "L40" over "L4"."""
+
+TENSOR_CORE_PRECISIONS = ("bf16", "fp16")
+"""Precisions whose matmuls run at the table's rate; an fp32 run has no MFU unless
+`train.peak_tflops` names the peak it should be measured against."""
 
 
-def peak_tflops(device_name: str | None) -> float | None:
-    """Peak dense bf16 TFLOP/s of the named device; None for CPUs and unknown devices."""
-    if not device_name:
+def peak_tflops(device_name: str | None, precision: str = "bf16") -> float | None:
+    """Peak dense TFLOP/s of the named device at `precision`; None for CPUs, unknown devices
+    and fp32."""
+    if not device_name or precision not in TENSOR_CORE_PRECISIONS:
         return None
     for key in sorted(PEAK_BF16_TFLOPS, key=len, reverse=True):
         if key.lower() in device_name.lower():

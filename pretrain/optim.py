@@ -88,13 +88,17 @@ class GuardedAdamW(torch.optim.AdamW):
         return super().step(closure)
 
 
-def build_optimizer(groups: list[dict], opt: OptimizerSection, zero: ZeroSection) -> torch.optim.Optimizer:
-    """AdamW: DeepSpeed's CPU Adam when the optimizer step is offloaded to the CPU, the guarded
-    AdamW without ZeRO (stage 0), torch's AdamW under the ZeRO optimizers."""
+def build_optimizer(groups: list[dict], opt: OptimizerSection, zero: ZeroSection,
+                    on_gpu: bool) -> torch.optim.Optimizer:
+    """AdamW: DeepSpeed's CPU Adam when the optimizer step is offloaded to the CPU (DeepSpeed
+    refuses other optimizers with ZeRO-Offload), the guarded AdamW without ZeRO (stage 0),
+    torch's AdamW under the ZeRO optimizers, which step it on their flat fp32 partitions.
+    torch's AdamW uses its fused kernel when `optimizer.fused` says so (default: on GPU)."""
     kwargs = dict(lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
     if zero.offload_optimizer:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
         return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
+    kwargs["fused"] = on_gpu if opt.fused is None else opt.fused
     if zero.stage == 0:
         return GuardedAdamW(groups, max_grad_norm=opt.grad_clip, **kwargs)
     return torch.optim.AdamW(groups, **kwargs)

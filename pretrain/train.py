@@ -34,7 +34,7 @@ import yaml
 from pretrain import checkpoint
 from pretrain.config import (ConfigError, RunConfig, get_key, gradient_accumulation_steps,
                              load_config, model_config, resolved_precision, to_dict, validate)
-from pretrain.engine import deepspeed_config, distributed_env, initialize
+from pretrain.engine import configure_device_math, deepspeed_config, distributed_env, initialize
 from pretrain.evaluate import EvalResult, decode_padded, evaluate
 from pretrain.flops import achieved_tflops, mfu, peak_tflops
 from pretrain.metrics import Metrics, diagnostic_scalars
@@ -128,18 +128,7 @@ class Trainer:
         if self.manifest["seq_len"] != data.seq_len:
             raise ConfigError(f"data.seq_len={data.seq_len}: the dataset at {data.path} has "
                               f"windows for seq_len={self.manifest['seq_len']}")
-        self.model_config = model_config(cfg, self.manifest["vocab_size"])
-
-        torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-        model = build(self.model_config)
-        self.params = model.num_params()
-        self.non_embedding_params = model.num_params(non_embedding=True)
-        self.flops_per_token = model.flops_per_token(data.seq_len, training=True)
-        self._seed_rank()
-
-        groups, self.group_infos = param_groups(model, cfg.optimizer)
-        optimizer = build_optimizer(groups, cfg.optimizer, cfg.zero)
-        self.engine = initialize(model, optimizer, deepspeed_config(cfg, self.world_size, self.precision))
+        self.build_engine(self.manifest["vocab_size"])
 
         self.loader = build_loader(data.path, "train", micro_batch_size=data.micro_batch_size,
                                    seed=cfg.seed, shuffle=True, num_workers=data.num_workers,
@@ -160,14 +149,32 @@ class Trainer:
             checkpoint.atomic_write(self.run_dir / "config.yaml", lambda tmp: tmp.write_text(text))
         self.metrics = Metrics(self.run_dir, self.rank == 0, self.total_steps, self.state.step)
         self.metrics.hparams(to_dict(cfg), ["train/loss", "eval/loss"])
-        self.peak_tflops = cfg.train.peak_tflops or (
-            peak_tflops(torch.cuda.get_device_name(self.device)) if self.precision == "bf16" and self.on_gpu else None)
         self.metrics.print(
             f"{cfg.run_name}: {cfg.model.flavor} ({self.params / 1e6:.2f}M params, "
             f"{self.non_embedding_params / 1e6:.2f}M non-embedding), {self.world_size} process(es), "
             f"ZeRO-{cfg.zero.stage}, {self.precision}, global batch {cfg.train.global_batch_size} x "
             f"{data.seq_len} tokens ({self.grad_accum} accumulation step(s)), "
             f"{'resuming at step ' + str(self.state.step) if self.state.step else 'fresh start'}")
+
+    def build_engine(self, dataset_vocab_size: int) -> None:
+        """The model, its optimizer and the DeepSpeed engine, with the figures MFU needs
+        (`bench.gpu` calls this directly to train on synthetic tokens without a dataset)."""
+        cfg = self.cfg
+        self.model_config = model_config(cfg, dataset_vocab_size)
+        configure_device_math(cfg, self.on_gpu)
+        torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+        model = build(self.model_config)
+        self.params = model.num_params()
+        self.non_embedding_params = model.num_params(non_embedding=True)
+        self.flops_per_token = model.flops_per_token(cfg.data.seq_len, training=True)
+        self._seed_rank()
+
+        groups, self.group_infos = param_groups(model, cfg.optimizer)
+        optimizer = build_optimizer(groups, cfg.optimizer, cfg.zero, self.on_gpu)
+        self.engine = initialize(model, optimizer, deepspeed_config(cfg, self.world_size, self.precision),
+                                 compile_backend=cfg.model.compile)
+        device_name = torch.cuda.get_device_name(self.device) if self.on_gpu else None
+        self.peak_tflops = cfg.train.peak_tflops or peak_tflops(device_name, self.precision)
 
     def _resume_checkpoint(self) -> Path | None:
         """The checkpoint to start from, checked against this config before any work."""

@@ -24,6 +24,10 @@ class LanguageModel(nn.Module):
     `embedding_parameters` and `flops_per_token`."""
 
     config: object
+    needs_double_backward: bool = False
+    """True when forward calls autograd.grad with create_graph, so training backpropagates
+    through a gradient: attention must run on kernels with a double backward (not flash), and
+    torch.compile is refused."""
 
     def embedding_parameters(self) -> list[nn.Parameter]:
         """Parameters counted as embeddings (excluded from the non-embedding count)."""

@@ -388,6 +388,8 @@ class ThinkOutput(NamedTuple):
 
 
 class EBT(LanguageModel):
+    needs_double_backward = True
+
     def __init__(self, config: EBTConfig):
         super().__init__()
         self.config = config

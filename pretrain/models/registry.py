@@ -33,10 +33,14 @@ def resolve(flavor: str, overrides: dict[str, Any] | None = None) -> Any:
     return dataclasses.replace(config, **(overrides or {}))
 
 
-def build(config: Any) -> nn.Module:
-    """Instantiate the model of the family that `config` belongs to."""
+def model_class(config: Any) -> type[nn.Module]:
+    """The model class of the family that `config` belongs to."""
     try:
-        model_cls = _FAMILIES[type(config)]
+        return _FAMILIES[type(config)]
     except KeyError:
         raise ValueError(f"no model family registered for {type(config).__name__}") from None
-    return model_cls(config)
+
+
+def build(config: Any) -> nn.Module:
+    """Instantiate the model of the family that `config` belongs to."""
+    return model_class(config)(config)
