@@ -2,6 +2,8 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# One JIT build directory per environment (pretrain/engine.py defaults to the same place).
+export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
 
 .PHONY: demo test bench-data bench-models clean-venv
 
@@ -9,6 +11,9 @@ $(STAMP): requirements.txt requirements-nodeps.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q -r requirements.txt
 	$(VENV)/bin/pip install -q --no-deps -r requirements-nodeps.txt
+	@# Build DeepSpeed's CPU shared-memory op now, not inside a run that may be killed mid-build.
+	$(PY) -c "from deepspeed.accelerator import get_accelerator as a; \
+	b = a().create_op_builder('ShareMemCommBuilder') if a().device_name() == 'cpu' else None; b and b.load()"
 	touch $(STAMP)
 
 demo: $(STAMP)

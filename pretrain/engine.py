@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 
 import torch
 
@@ -17,6 +18,10 @@ def distributed_env() -> tuple[int, int, int]:
     `python -m pretrain.train` is a world of one on a free local port (without these DeepSpeed
     would go looking for MPI)."""
     env = os.environ
+    # DeepSpeed JIT-builds its CPU shared-memory op on first use. In the shared default cache two
+    # environments rebuild it back and forth, and a process killed mid-build leaves a lock file
+    # that makes every later run wait forever; one build directory per environment avoids both.
+    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
     if "RANK" not in env and "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_NTASKS"]
         env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
