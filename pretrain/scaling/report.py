@@ -203,7 +203,8 @@ def to_markdown(fits: list[LawFit], baseline: str, ci_level: float = 0.95) -> st
     lines = [f"| group | law | points | E | A | alpha | log-log slope | slope vs {baseline} "
              "| notes |", "|" + "---|" * 9]
     for row in table_rows(fits):
-        rate = "baseline" if row["group"] == baseline else _fmt(row, "slope_vs_baseline", True)
+        is_base = row["group"] == baseline and "slope" in row
+        rate = "baseline" if is_base else _fmt(row, "slope_vs_baseline", True)
         lines.append(f"| {row['group']} | {row['law']} | {row['points']} | {_fmt(row, 'E')} | "
                      f"{_fmt(row, 'A')} | {_fmt(row, 'alpha')} | {_fmt(row, 'slope')} | "
                      f"{rate} | {row['notes']} |")
@@ -249,8 +250,8 @@ def make_figure(groups: dict[str, list[Point]], fits: list[LawFit]):
                 ax.plot(grid, fit.full.law(grid), color=colors[group], lw=1.2)
         ax.set_xscale("log")
         ax.set_yscale("log")
-        ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-        ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%.2g"))
+        for set_formatter in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
+            set_formatter(matplotlib.ticker.FormatStrFormatter("%.3g"))
         ax.set_xlabel(law.label)
         ax.set_ylabel("loss")
         ax.set_title(f"L({law.symbol})")
