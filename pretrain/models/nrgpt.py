@@ -36,6 +36,12 @@ class NRGPTConfig(LMConfig):
     grad_mode: str = "reference"
     """"exact": the true gradient of E_AT(A) (adds the self term under the inclusive mask);
     "reference": without the self term, as the released code computes it."""
+    attention_impl: str = "sdpa"
+    """How the attention term runs: "sdpa" (scaled_dot_product_attention; on GPU the flash or
+    cuDNN kernel up to head dim 256, the memory-efficient one beyond it, e.g. for `full` heads
+    of head dim D) or "explicit" (scores and a float32 softmax from plain matmuls: O(T^2) memory
+    per head, cuBLAS speed at any head dim). Exact mode under the inclusive mask is always
+    explicit: it needs p_AA, which SDPA does not return."""
     ff_energy: str = "ff2w"
     """Feed-forward energy: "ff1", "ff2" or "ff2w" (spec 2.2)."""
     ff_act: str = "gelu"
@@ -63,6 +69,7 @@ class NRGPTConfig(LMConfig):
         check_choice(self, "attention", ("full", "lowrank"))
         check_choice(self, "mask", ("strict", "inclusive"))
         check_choice(self, "grad_mode", ("exact", "reference"))
+        check_choice(self, "attention_impl", ("sdpa", "explicit"))
         check_choice(self, "ff_energy", ("ff1", "ff2", "ff2w"))
         check_choice(self, "ff_act", ("gelu", "relu"))
         check_choice(self, "eta", ("full", "diag_gamma", "scalar"))
@@ -96,6 +103,7 @@ class EnergyAttention(nn.Module):
         D, H = config.n_embd, config.n_head
         self.n_head, self.lowrank, self.strict = H, config.attention == "lowrank", config.mask == "strict"
         self.self_term = config.grad_mode == "exact" and not self.strict
+        self.explicit = self.self_term or config.attention_impl == "explicit"
         head_dim = D // H if self.lowrank else D
         self.beta = 1 / math.sqrt(head_dim) if self.lowrank else 1.0
         self.key = nn.Linear(D, H * head_dim, bias=False)
@@ -120,9 +128,15 @@ class EnergyAttention(nn.Module):
         return torch.cat([t.new_zeros(B, H, 1, d), t], dim=2)
 
     def masked_scores(self, q, k) -> torch.Tensor:
-        T = q.size(2)
+        _, H, T, _ = k.shape
+        if self.lowrank:
+            scores = (self.beta * q) @ k.transpose(-1, -2)
+        else:
+            # q is g expanded over the heads (beta = 1): one [T, D] x [D, H T] matmul per
+            # sequence, instead of a batched matmul that would first copy g for every head
+            scores = (q[:, 0] @ k.flatten(1, 2).transpose(1, 2)).unflatten(-1, (H, T)).transpose(1, 2)
         future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
-        return (self.beta * q @ k.transpose(-1, -2)).masked_fill(future, float("-inf"))
+        return scores.masked_fill(future, float("-inf"))
 
     def weighted(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.alpha is None else t * self.alpha.view(1, -1, 1, 1)
@@ -137,10 +151,12 @@ class EnergyAttention(nn.Module):
         """[B, T, D] closed-form dE_AT(A)/dg_A for every token A."""
         q, k = self.project(g)
         q_seen, k_seen = self.key_sets(q, k)
-        if self.self_term:
-            # SDPA does not return p_AA, so this path forms the scores explicitly: the same
-            # FLOPs as attention, but O(T^2) memory per head and no fused kernel.
-            p = torch.softmax(self.masked_scores(q_seen, k_seen), dim=-1)
+        if self.explicit:
+            # The scores as a tensor: the same FLOPs as attention, O(T^2) memory per head, no
+            # fused kernel; the softmax in at least float32, as the fused kernels compute it.
+            scores = self.masked_scores(q_seen, k_seen)
+            p = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
+            p = p.to(q.dtype)
             mixed, p_self = p @ k_seen, p.diagonal(dim1=-2, dim2=-1).unsqueeze(-1)
         elif q_seen.size(2) == 0:  # strict mask, one token: no keys at all
             mixed = q_seen
