@@ -1,0 +1,142 @@
+"""GPU fast paths, checked as far as a CPU can: the peak table MFU divides by, fused AdamW and a
+compiled module under DeepSpeed ZeRO-2 against the plain path, the TF32 switch, the guard that
+keeps torch.compile away from double backward, and which attention kernel each family's
+attention reaches (NRGPT's explicit path against SDPA)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.gpu import attention_kernels
+from pretrain.config import ConfigError, RunConfig, validate
+from pretrain.engine import configure_device_math
+from pretrain.flops import mfu, peak_tflops
+from pretrain.models import build, resolve
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("name, peak", [
+    ("NVIDIA H200", 989.0), ("NVIDIA H200 NVL", 835.0), ("NVIDIA GH200 480GB", 989.0),
+    ("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H100 NVL", 835.0),
+    ("NVIDIA H20", 148.0), ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA A100 80GB PCIe", 312.0),
+    ("NVIDIA L40S", 362.0), ("NVIDIA L40", 181.0), ("NVIDIA L4", 121.0), ("NVIDIA B200", 2250.0),
+    ("NVIDIA GB200", 2500.0), ("Tesla T4", None), (None, None)])
+def test_peak_table_matches_the_names_torch_reports(name, peak):
+    assert peak_tflops(name) == peak
+    assert peak_tflops(name, "fp16") == peak
+
+
+def test_mfu_is_model_flops_over_the_peak_and_fp32_has_none():
+    assert peak_tflops("NVIDIA H200", "fp32") is None
+    # GPT-124M's 45% target: 989e12 * 0.45 FLOP/s at ~0.87 GFLOP per token
+    assert mfu(0.87e9, 989e12 * 0.45 / 0.87e9, world_size=1, peak=989.0) == pytest.approx(0.45)
+    assert mfu(1e9, 2e5, world_size=2, peak=100.0) == pytest.approx(1.0)
+
+
+def test_fused_adamw_and_compiled_module_under_zero2_follow_the_plain_path(tmp_path):
+    """DeepSpeed accepts torch's fused AdamW as the client optimizer of ZeRO-2 (stepped on its
+    flat fp32 partitions) and a module compiled through engine.compile; three steps of each
+    give the plain path's losses and weights."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+        env.pop(name, None)
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "fast_paths_worker.py")], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    runs = {r["variant"]: r for r in map(json.loads, (line for line in proc.stdout.splitlines()
+                                                     if line.startswith("{")))}
+    assert runs["fused"]["fused"] and not runs["foreach"]["fused"]
+    assert runs["compiled"]["compiled"] and runs["compiled"]["graphs"] >= 1
+    base = runs["foreach"]
+    step_size = max(base["moved"])  # ~ lr per step: what three Adam steps moved the weights
+    assert base["losses"][0] != base["losses"][-1] and step_size > 1e-2
+    for name in ("fused", "compiled"):
+        assert runs[name]["losses"] == pytest.approx(base["losses"], rel=1e-6)
+        drift = (torch.tensor(runs[name]["params"]) - torch.tensor(base["params"])).abs().max().item()
+        # Adam's normalised step is ill-conditioned for gradients near eps: fused and multi-tensor
+        # kernels order the arithmetic differently, so compare with the size of the moves
+        assert drift < 1e-3 * step_size, name
+
+
+def test_tf32_switch_applies_on_gpu_only():
+    before = torch.get_float32_matmul_precision()
+    try:
+        cfg = RunConfig()
+        torch.set_float32_matmul_precision("highest")
+        configure_device_math(cfg, on_gpu=False)
+        assert torch.get_float32_matmul_precision() == "highest"  # CPU runs keep torch's default
+        configure_device_math(cfg, on_gpu=True)
+        assert torch.get_float32_matmul_precision() == "high"
+        cfg.train.tf32 = False
+        configure_device_math(cfg, on_gpu=True)
+        assert torch.get_float32_matmul_precision() == "highest"
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def test_compile_is_refused_for_families_with_double_backward():
+    cfg = RunConfig(run_name="run")
+    cfg.data.path = "data"
+    cfg.train.max_steps = 1
+    cfg.model.flavor, cfg.model.compile = "gpt-tiny", "aot_eager"
+    validate(cfg, world_size=1, has_gpu=False)
+    cfg.model.flavor = "ebt-tiny"
+    with pytest.raises(ConfigError, match="model.compile.*double backward"):
+        validate(cfg, world_size=1, has_gpu=False)
+    cfg.model.flavor, cfg.model.compile = "gpt-tiny", "no-such-backend"
+    with pytest.raises(ConfigError, match="model.compile"):
+        validate(cfg, world_size=1, has_gpu=False)
+
+
+def train_step(model, idx):
+    model.zero_grad(set_to_none=True)
+    model(idx, torch.roll(idx, -1, dims=1)).loss.backward()
+
+
+@pytest.mark.parametrize("options", [
+    dict(attention="full", mask="inclusive"), dict(attention="full", mask="strict"),
+    dict(attention="lowrank", mask="inclusive"), dict(attention="lowrank", mask="strict")])
+def test_nrgpt_explicit_attention_matches_sdpa(options):
+    """The explicit path (scores and a float32 softmax as plain matmuls, for head dims the fused
+    GPU kernels do not take) computes what SDPA computes, gradients included, and really runs
+    without SDPA."""
+    torch.manual_seed(0)
+    idx = torch.randint(0, 64, (2, 12))
+    shape = dict(vocab_size=64, block_size=12, n_embd=16, n_head=2, n_steps=2, **options)
+    models = {}
+    for impl in ("sdpa", "explicit"):
+        torch.manual_seed(1)
+        models[impl] = build(resolve("nrgpt-tiny", {**shape, "attention_impl": impl})).double()
+        train_step(models[impl], idx)
+    logits = {impl: m(idx).logits for impl, m in models.items()}
+    torch.testing.assert_close(logits["explicit"], logits["sdpa"], rtol=1e-10, atol=1e-10)
+    for (name, p), q in zip(models["sdpa"].named_parameters(), models["explicit"].parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-9, atol=1e-12, msg=name)
+    assert attention_kernels(lambda: train_step(models["sdpa"], idx))
+    assert attention_kernels(lambda: train_step(models["explicit"], idx)) == {}
+
+
+def test_nrgpt_explicit_attention_in_bf16_stays_close_to_float32():
+    """bf16 scores with the softmax taken in float32, as the fused kernels do."""
+    torch.manual_seed(0)
+    idx = torch.randint(0, 64, (2, 32))
+    model = build(resolve("nrgpt-tiny", dict(vocab_size=64, block_size=32, n_embd=32, n_head=2,
+                                            attention_impl="explicit")))
+    reference = model(idx).logits
+    low = model.to(torch.bfloat16)(idx).logits.float()
+    assert ((low - reference).norm() / reference.norm()).item() < 2e-2
+
+
+@pytest.mark.parametrize("flavor", ["gpt-tiny", "gpt_rec-tiny", "transformer_pp-tiny", "nrgpt-tiny"])
+def test_sdpa_families_reach_a_fused_kernel_forward_and_backward(flavor):
+    """Causal attention without an explicit mask, which is what the flash and cuDNN kernels
+    take on GPU: on a CPU it reaches the flash kernel for CPUs, never the math fallback."""
+    model = build(resolve(flavor, dict(vocab_size=64, block_size=16)))
+    kernels = attention_kernels(lambda: train_step(model, torch.randint(0, 64, (2, 16))))
+    assert kernels.get("flash (cpu)", 0) > 0 and kernels.get("flash (cpu) backward", 0) > 0, kernels
+    assert "math" not in kernels
