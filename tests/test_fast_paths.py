@@ -102,8 +102,8 @@ def train_step(model, idx):
     dict(attention="full", mask="inclusive"), dict(attention="full", mask="strict"),
     dict(attention="lowrank", mask="inclusive"), dict(attention="lowrank", mask="strict")])
 def test_nrgpt_explicit_attention_matches_sdpa(options):
-    """The explicit path (scores and a float32 softmax as plain matmuls, for head dims the fused
-    GPU kernels do not take) computes what SDPA computes, gradients included, and really runs
+    """The explicit path (scores and softmax as plain matmuls, for head dims the fused GPU
+    kernels do not take) computes what SDPA computes, gradients included, and really runs
     without SDPA."""
     torch.manual_seed(0)
     idx = torch.randint(0, 64, (2, 12))
@@ -122,7 +122,7 @@ def test_nrgpt_explicit_attention_matches_sdpa(options):
 
 
 def test_nrgpt_explicit_attention_in_bf16_stays_close_to_float32():
-    """bf16 scores with the softmax taken in float32, as the fused kernels do."""
+    """bf16 scores and probabilities (the softmax accumulates in float32) stay close to float32."""
     torch.manual_seed(0)
     idx = torch.randint(0, 64, (2, 32))
     model = build(resolve("nrgpt-tiny", dict(vocab_size=64, block_size=32, n_embd=32, n_head=2,

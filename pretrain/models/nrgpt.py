@@ -39,8 +39,8 @@ class NRGPTConfig(LMConfig):
     attention_impl: str = "sdpa"
     """How the attention term runs: "sdpa" (scaled_dot_product_attention; on GPU the flash or
     cuDNN kernel up to head dim 256, the memory-efficient one beyond it, e.g. for `full` heads
-    of head dim D) or "explicit" (scores and a float32 softmax from plain matmuls: O(T^2) memory
-    per head, cuBLAS speed at any head dim). Exact mode under the inclusive mask is always
+    of head dim D) or "explicit" (scores and softmax from plain matmuls: O(T^2) memory per head,
+    cuBLAS speed at any head dim). Exact mode under the inclusive mask is always
     explicit: it needs p_AA, which SDPA does not return."""
     ff_energy: str = "ff2w"
     """Feed-forward energy: "ff1", "ff2" or "ff2w" (spec 2.2)."""
@@ -153,10 +153,8 @@ class EnergyAttention(nn.Module):
         q_seen, k_seen = self.key_sets(q, k)
         if self.explicit:
             # The scores as a tensor: the same FLOPs as attention, O(T^2) memory per head, no
-            # fused kernel; the softmax in at least float32, as the fused kernels compute it.
-            scores = self.masked_scores(q_seen, k_seen)
-            p = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
-            p = p.to(q.dtype)
+            # fused kernel. (torch's softmax accumulates bf16 in float32, as the fused kernels.)
+            p = torch.softmax(self.masked_scores(q_seen, k_seen), dim=-1)
             mixed, p_self = p @ k_seen, p.diagonal(dim1=-2, dim2=-1).unsqueeze(-1)
         elif q_seen.size(2) == 0:  # strict mask, one token: no keys at all
             mixed = q_seen
