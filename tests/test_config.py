@@ -15,7 +15,6 @@ from pretrain import optim
 from pretrain.config import (ConfigError, OptimizerSection, ScheduleSection, from_dict,
                              load_config, model_config, to_dict, validate)
 from pretrain.engine import deepspeed_config
-from pretrain.flops import peak_tflops
 from pretrain.models import build, resolve
 
 REPO = Path(__file__).resolve().parent.parent
@@ -255,14 +254,6 @@ def test_schedules():
     held = ScheduleSection(kind="cosine", decay_steps=20, min_lr=0.0)
     assert optim.lr_factor(19, held, lr, 100) == optim.lr_factor(90, held, lr, 100) == 0.0
     assert optim.lr_factor(57, ScheduleSection(kind="constant"), lr, 100) == 1.0
-
-
-def test_peak_table():
-    assert peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
-    assert peak_tflops("NVIDIA H100 PCIe") == 756.0
-    assert peak_tflops("NVIDIA H200") == 989.0
-    assert peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0
-    assert peak_tflops(None) is None and peak_tflops("Some Future GPU") is None
 
 
 def test_guarded_adamw_skips_non_finite_and_clips_like_torch():
