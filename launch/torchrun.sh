@@ -42,12 +42,14 @@ fi
 NNODES=${NNODES:-1}
 
 # torchrun forwards these signals to its workers and waits GRACE_SECONDS for them to save a
-# checkpoint; by default it would not handle SIGUSR1 (Slurm's early warning) at all and would
-# die from it, orphaning the workers.
-export TORCHELASTIC_SIGNALS_TO_HANDLE="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
-export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${GRACE_SECONDS:-300}"
-
-args=(--nproc_per_node="$NPROC_PER_NODE")
+# checkpoint. By default it does not handle SIGUSR1 (Slurm's early warning) and dies of it,
+# leaving the workers to be killed with the job step before they have saved. These must be
+# flags: torchrun overwrites TORCHELASTIC_SIGNALS_TO_HANDLE with its flag's default. Once its
+# workers have stopped, torchrun itself exits 1 (not the trainers' 75): slurm.sbatch requeues
+# on the signal it trapped, and a rerun resumes from the checkpoint either way.
+args=(--nproc_per_node="$NPROC_PER_NODE"
+      --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1
+      --shutdown-timeout="${GRACE_SECONDS:-300}")
 if [ "$NNODES" = 1 ] && [ -z "${RDZV_ENDPOINT:-}" ]; then
   args+=(--standalone)
 elif [ -n "${RDZV_ENDPOINT:-}" ]; then

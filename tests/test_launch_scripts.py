@@ -10,6 +10,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+TORCHRUN_SIGNALS = "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+"""torchrun forwards these to its workers (SIGUSR1 is Slurm's warning); test_elastic.py checks
+on a real torchrun that the trainers receive it."""
 
 # srun: runs its command once per node, as slurmstepd would, with the per-node variables set.
 FAKE_SRUN = r"""#!/usr/bin/env bash
@@ -84,13 +87,24 @@ def test_sbatch_builds_one_torchrun_per_node(slurm_env):
     calls = sorted((record / "calls").read_text().splitlines())
     config = str(REPO / "configs/tiny/gpt.yaml")
     expected = [
-        f"NODE_RANK={rank} -m torch.distributed.run --nproc_per_node=4 --nnodes=2 "
-        f"--node_rank={rank} --master_addr=gpu-a17 --master_port=24242 "
-        f"-m pretrain.train --config {config} train.max_steps=7"
+        f"NODE_RANK={rank} -m torch.distributed.run --nproc_per_node=4 {TORCHRUN_SIGNALS} "
+        f"--shutdown-timeout=240 --nnodes=2 --node_rank={rank} --master_addr=gpu-a17 "
+        f"--master_port=24242 -m pretrain.train --config {config} train.max_steps=7"
         for rank in (0, 1)
     ]
     assert calls == expected
     assert not (record / "requeued").exists()
+
+
+def test_sbatch_one_task_per_gpu(slurm_env):
+    """TASK_PER_GPU=1: srun starts the trainer itself on every GPU (no torchrun)."""
+    env, record = slurm_env
+    env["TASK_PER_GPU"] = "1"
+    result = subprocess.run(["bash", "launch/slurm.sbatch", "configs/tiny/gpt.yaml", "seed=2"],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    calls = (record / "calls").read_text().splitlines()
+    assert calls == ["NODE_RANK= -m pretrain.train --config configs/tiny/gpt.yaml seed=2"] * 2
 
 
 def test_sbatch_job_array_picks_its_line(slurm_env, tmp_path):
@@ -139,10 +153,11 @@ def test_torchrun_script_static_and_c10d(tmp_path):
         assert result.returncode == 0, result.stderr
     calls = (tmp_path / "calls").read_text().splitlines()
     tail = f"-m pretrain.train --config {REPO / 'configs/tiny/gpt.yaml'} seed=3"
-    assert calls[0] == f"NODE_RANK= -m torch.distributed.run --nproc_per_node=2 --standalone {tail}"
-    assert calls[1] == (f"NODE_RANK=1 -m torch.distributed.run --nproc_per_node=8 --nnodes=2 --node_rank=1 "
+    head = f"-m torch.distributed.run --nproc_per_node={{}} {TORCHRUN_SIGNALS} --shutdown-timeout=300"
+    assert calls[0] == f"NODE_RANK= {head.format(2)} --standalone {tail}"
+    assert calls[1] == (f"NODE_RANK=1 {head.format(8)} --nnodes=2 --node_rank=1 "
                         f"--master_addr=10.0.0.5 --master_port=29500 {tail}")
-    assert calls[2] == (f"NODE_RANK= -m torch.distributed.run --nproc_per_node=8 --nnodes=3 "
+    assert calls[2] == (f"NODE_RANK= {head.format(8)} --nnodes=3 "
                         f"--rdzv_backend=c10d --rdzv_endpoint=head:29400 --rdzv_id=job7 {tail}")
 
 
