@@ -214,11 +214,18 @@ class RunConfig:
     @property
     def total_steps(self) -> int:
         """Optimizer steps of the whole run: the smaller of the two budgets."""
+        return self.total_steps_after(step=0, tokens_seen=0)
+
+    def total_steps_after(self, step: int, tokens_seen: int) -> int:
+        """Optimizer steps of the whole run for one that has taken `step` steps and consumed
+        `tokens_seen` tokens, possibly at another global batch: `train.max_steps`, or the steps
+        that consume what is left of `train.max_tokens` at this global batch, whichever is smaller."""
         budgets = []
         if self.train.max_steps is not None:
             budgets.append(self.train.max_steps)
         if self.train.max_tokens is not None:
-            budgets.append(math.ceil(self.train.max_tokens / self.tokens_per_step))
+            left = max(0, self.train.max_tokens - tokens_seen)
+            budgets.append(step + math.ceil(left / self.tokens_per_step))
         return min(budgets)
 
 

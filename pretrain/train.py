@@ -7,7 +7,9 @@ One optimizer step = `gradient_accumulation_steps` micro-batches per rank throug
 engine. After each step the ranks exchange one small tensor (loss sum, non-finite count,
 preemption flag), which is all the synchronisation the loop itself adds. The run directory
 holds the resolved config, TensorBoard events, sharded checkpoints and, at the end,
-summary.json. Runs resume automatically from their latest complete checkpoint.
+summary.json. Runs resume automatically from their latest complete checkpoint, also on another
+number of processes or ZeRO stage (the checkpoint is converted once to DeepSpeed's universal
+format) and with another global batch.
 
 Exit codes: 0 done, 2 bad configuration or data, 1 an unrecoverable training error,
 75 (EX_TEMPFAIL) checkpoint saved after SIGTERM/SIGUSR1: requeue the job to resume."""
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import math
 import os
 import platform
@@ -94,6 +97,7 @@ class Trainer:
         self.run_dir = cfg.run_dir
         self.ckpt_dir = self.run_dir / "ckpt"
         self.state = TrainState()
+        self.resume_notes: list[str] = []
         self.batches = None
         self.faults_fired: set[int] = set()
         self.session_start = time.perf_counter()
@@ -155,6 +159,8 @@ class Trainer:
             f"ZeRO-{cfg.zero.stage}, {self.precision}, global batch {cfg.train.global_batch_size} x "
             f"{data.seq_len} tokens ({self.grad_accum} accumulation step(s)), "
             f"{'resuming at step ' + str(self.state.step) if self.state.step else 'fresh start'}")
+        for note in self.resume_notes:
+            self.metrics.print(note)
 
     def build_engine(self, dataset_vocab_size: int) -> None:
         """The model, its optimizer and the DeepSpeed engine, with the figures MFU needs
@@ -187,17 +193,27 @@ class Trainer:
             raise ConfigError(str(e)) from None
         if tag_dir is not None:
             saved = checkpoint.read_marker(tag_dir)["config"]
-            for key in ("model", "data.seq_len", "train.global_batch_size"):
+            for key in ("model", "data.seq_len"):
                 before, now = get_key(saved, key), get_key(self.cfg, key)
                 now = asdict(now) if key == "model" else now
                 if before != now:
                     raise ConfigError(f"{key}={now!r} differs from the checkpoint {tag_dir} "
                                       f"({before!r}); start a new run (another run_name or resume=never)")
+            try:  # a ZeRO stage change that cannot be converted fails here, before any work
+                checkpoint.needs_universal(tag_dir, self.world_size, self.cfg.zero.stage)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         return tag_dir
 
-    def _seed_rank(self) -> None:
-        """Each rank's own random streams (e.g. EBT's candidate noise), fixed by seed and rank."""
-        seed = self.cfg.seed + 1000 * self.rank
+    def _seed_rank(self, step: int = 0) -> None:
+        """Each rank's own random streams (e.g. EBT's candidate noise): seed + 1000 x rank at
+        the start; a rank resuming at `step` without streams of its own to restore (the
+        checkpoint was saved at another world size) derives them from (seed, rank, step)."""
+        if step == 0:
+            seed = self.cfg.seed + 1000 * self.rank
+        else:
+            digest = hashlib.blake2b(f"{self.cfg.seed}/{self.rank}/{step}".encode(), digest_size=4)
+            seed = int.from_bytes(digest.digest(), "little")  # < 2**32, as numpy requires
         random.seed(seed)
         np.random.seed(seed)
         torch.manual_seed(seed)
@@ -224,18 +240,62 @@ class Trainer:
 
     def _load(self, tag_dir: Path, reload: bool = False) -> None:
         """Restore the run from `tag_dir`; a `reload` after non-finite updates goes back in
-        progress but keeps counting skips, reloads and time."""
-        client_state, rank_state = checkpoint.load(self.engine, tag_dir)
-        buffers = dict(self.engine.module.named_buffers())
-        for name, value in (rank_state or {}).get("buffers", {}).items():
-            buffers[name].copy_(value)
+        progress but keeps counting skips, reloads and time. A checkpoint of another world
+        size or ZeRO stage goes through its universal form (see docs/design.md, "Launching,
+        preemption and elastic resume")."""
+        marker = checkpoint.read_marker(tag_dir)
+        universal = checkpoint.needs_universal(tag_dir, self.world_size, self.cfg.zero.stage)
+        client_state, own_state = checkpoint.load(self.engine, tag_dir, universal)
         saved = TrainState(**client_state["train_state"])
         if reload:
             saved.reloads, saved.skipped_steps = self.state.reloads, self.state.skipped_steps
             saved.wall_time_s, self.session_start = self._wall_time(), time.perf_counter()
         self.state = saved
+        self._restore_rank_state(tag_dir, own_state, same_world=marker["world_size"] == self.world_size)
         self.loader.load_state_dict(client_state["loader"])
+        if not reload:
+            self.total_steps = self.cfg.total_steps_after(saved.step, saved.tokens_seen)
+            self.resume_notes = self._layout_changes(marker, universal, client_state["loader"])
         self._restart_batches()
+
+    def _restore_rank_state(self, tag_dir: Path, own_state: dict | None, same_world: bool) -> None:
+        """This rank's buffers and random streams. Per-rank streams have no counterpart at
+        another world size, so after a world-size change every rank derives fresh ones from
+        (seed, rank, step); a rank that saved no state of its own takes rank 0's buffers (for
+        EBT: its replay rows)."""
+        state = own_state if own_state is not None else checkpoint.read_rank_state(tag_dir, 0)
+        buffers = dict(self.engine.module.named_buffers())
+        for name, value in (state or {}).get("buffers", {}).items():
+            buffers[name].copy_(value)
+        if own_state is not None and same_world:
+            checkpoint.restore_rng(own_state["rng"])
+            return
+        if same_world:
+            print(f"warning: rank {self.rank}: {checkpoint.rank_state_file(tag_dir, self.rank)} is "
+                  "missing; its random streams restart from (seed, rank, step)", file=sys.stderr)
+        self._seed_rank(self.state.step)
+
+    def _layout_changes(self, marker: dict, universal: bool, loader_state: dict) -> list[str]:
+        """One console line per change since the checkpoint was written (world size, ZeRO stage,
+        global batch), saying what happens to the state, the data and the schedule."""
+        notes = []
+        saved_world, saved = marker["world_size"], marker["config"]
+        position = f"sample {loader_state['sample_in_epoch']} of epoch {loader_state['epoch']}"
+        if (saved_world, saved["zero"]["stage"]) != (self.world_size, self.cfg.zero.stage):
+            note = (f"checkpoint of {saved_world} process(es) with ZeRO-{saved['zero']['stage']} resumed on "
+                    f"{self.world_size} with ZeRO-{self.cfg.zero.stage}: model and optimizer state "
+                    f"{'through its universal form' if universal else 'loaded as saved'}")
+            if saved_world != self.world_size:
+                note += (f"; the data continues at {position} of the same order; each rank's random "
+                         "streams are derived from (seed, rank, step)")
+            notes.append(note)
+        batch, saved_batch = self.cfg.train.global_batch_size, saved["train"]["global_batch_size"]
+        if batch != saved_batch:
+            notes.append(f"global batch changed from {saved_batch} to {batch} sequences at step "
+                         f"{self.state.step}: the data continues at {position} of the same order (no "
+                         "sample repeated or skipped); the learning-rate schedule stays a function of the "
+                         f"step, not rescaled for the batch; the run ends at step {self.total_steps}")
+        return notes
 
     def _restart_batches(self) -> None:
         """Iterate the train loader from its current state (stopping a previous iteration's workers)."""
@@ -494,10 +554,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         validate(cfg, world_size, torch.cuda.is_available())
         code = run(cfg)
-    except (ConfigError, DataError, NonFiniteError) as e:
+    except (ConfigError, DataError, NonFiniteError, checkpoint.CheckpointError) as e:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {e}", file=sys.stderr)
-        code = 1 if isinstance(e, NonFiniteError) else 2
+        code = 2 if isinstance(e, (ConfigError, DataError)) else 1
     if dist.is_initialized():
         dist.destroy_process_group()
     return code
