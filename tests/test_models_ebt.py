@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from pretrain.models import build, resolve
-from pretrain.models.ebt import EBT, EBTConfig, EnergyDescent, token_losses, two_stream_attention
-from pretrain.models.llama import apply_rotary, rotary_tables
+from pretrain.models.ebt import EBT, EBTConfig, EnergyDescent, stream_attention, token_losses
+from pretrain.models.ebt_attention import two_stream_attention
+from pretrain.models.llama import apply_rotary, causal_attention, rotary_tables
 
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
@@ -93,14 +94,84 @@ def test_two_stream_attention_equals_full_masked_attention(n_obs, n_rows, first_
     assert torch.allclose(got, expected, atol=1e-13, rtol=0)
 
 
-def test_two_stream_attention_has_a_double_backward():
-    """Second-order gradients through the attention the descent differentiates (the flash
-    SDPA kernel has none): gradgradcheck in float64."""
+@pytest.mark.parametrize("n_rows, n_obs, offset, observed_grad", [
+    (4, 5, 1, True),    # one row per chunk
+    (7, 7, 0, True),    # chunks of uneven size, no prefix
+    (6, 9, 3, True),    # a prefix: the first chunk already sees several observed keys
+    (5, 6, 1, False),   # the energy gradient: observed keys and values are constants
+])
+def test_two_stream_attention_first_and_second_derivatives(n_rows, n_obs, offset, observed_grad):
+    """The hand-written first and second derivatives (ebt_attention.py) against finite
+    differences in float64: gradcheck and gradgradcheck, which also checks the backward of the
+    backward w.r.t. the incoming gradient. The row chunking and the skipped observed-key
+    gradients are exercised by the shapes."""
     torch.manual_seed(0)
-    inputs = [torch.randn(1, 2, n, 3, dtype=torch.float64, requires_grad=True) for n in (4, 4, 4, 5, 5)]
-    fn = functools.partial(two_stream_attention, offset=1)
+    inputs = [torch.randn(2, 2, n, 4, dtype=torch.float64, requires_grad=True) for n in (n_rows,) * 3]
+    inputs += [torch.randn(2, 2, n_obs, 4, dtype=torch.float64, requires_grad=observed_grad) for _ in range(2)]
+    fn = functools.partial(two_stream_attention, offset=offset)
     assert torch.autograd.gradcheck(fn, inputs)
     assert torch.autograd.gradgradcheck(fn, inputs)
+
+
+@pytest.mark.parametrize("options", [{}, STEP_CONDITIONED], ids=["reuse", "step_conditioned"])
+def test_each_stream_gets_an_attention_backend_with_the_derivatives_training_takes(options):
+    """The backend choice (`stream_attention`): the observed stream runs through causal SDPA,
+    whose fused kernel (CPU flash here, as flash on GPU) has no double backward, and the
+    predicted rows through the hand-written attention, which has one. A float32 second-order
+    training step then succeeds only if the observed stream is differentiated once, and every
+    weight, observed-stream ones included, gets a finite gradient."""
+    assert stream_attention("observed") is causal_attention
+    assert stream_attention("predicted") is two_stream_attention
+    q, k, v = (torch.randn(1, 2, 5, 4, requires_grad=True) for _ in range(3))
+    first = torch.autograd.grad(causal_attention(q, k, v).square().sum(), q, create_graph=True)[0]
+    with pytest.raises(RuntimeError, match="not implemented"):
+        torch.autograd.grad(first.sum(), k)
+    model = tiny(torch.float32, **options)
+    idx, targets = data(model)
+    model(idx, targets).loss.backward()
+    grads = dict(model.named_parameters())
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in grads.values())
+    assert grads["descent.layers.0.attention.wk.weight"].grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="unknown EBT attention stream"):
+        stream_attention("both")
+
+
+def test_two_stream_attention_refuses_third_order_derivatives():
+    """The hand-written second derivatives are not differentiable again: a third-order
+    gradient must raise, not return numbers computed without part of the graph."""
+    torch.manual_seed(0)
+    inputs = [torch.randn(1, 2, n, 4, dtype=torch.float64, requires_grad=True) for n in (5, 5, 5, 6, 6)]
+    first = torch.autograd.grad(two_stream_attention(*inputs, offset=1).square().sum(), inputs, create_graph=True)
+    second = torch.autograd.grad(sum(g.square().sum() for g in first), inputs, create_graph=True)
+    with pytest.raises(RuntimeError, match="third-order|differentiable"):
+        torch.autograd.grad(sum(g.square().sum() for g in second), inputs)
+
+
+def test_two_stream_attention_derivatives_equal_autograd_of_the_plain_form():
+    """Hessian-vector products as the EBT loss takes them (gradient w.r.t. the predicted
+    stream with create_graph, then the loss through it) equal those autograd computes for the
+    attention written with plain masked ops."""
+    torch.manual_seed(1)
+    n_rows, n_obs, offset, hd = 6, 8, 2, 4
+
+    def plain(q, k, v, k_obs, v_obs):
+        scores = q @ k_obs.transpose(-1, -2) / math.sqrt(hd)
+        keys = torch.arange(n_obs)[None, :]
+        scores = scores.masked_fill(keys > torch.arange(n_rows)[:, None] + offset, float("-inf"))
+        self_score = (q * k).sum(-1, keepdim=True) / math.sqrt(hd)
+        weights = torch.cat([scores, self_score], -1).softmax(-1)
+        return weights[..., :-1] @ v_obs + weights[..., -1:] * v
+
+    inputs = [torch.randn(2, 3, n, hd, dtype=torch.float64, requires_grad=True)
+              for n in (n_rows, n_rows, n_rows, n_obs, n_obs)]
+    weights = torch.randn(2, 3, n_rows, hd, dtype=torch.float64)
+    results = []
+    for fn in (functools.partial(two_stream_attention, offset=offset), plain):
+        first = torch.autograd.grad((fn(*inputs) * weights).sum(), inputs[:3], create_graph=True)
+        second = torch.autograd.grad(sum((g ** 2).sum() for g in first), inputs)
+        results.append([*first, *second])
+    for got, expected in zip(*results):
+        assert torch.allclose(got, expected, atol=1e-12, rtol=1e-10)
 
 
 def joint_reference_energy(model: EBT, idx, probs, step=0):

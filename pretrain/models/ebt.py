@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -31,8 +31,9 @@ import torch.nn.functional as F
 
 from pretrain.models.blocks import check_choice, check_positive, maybe_checkpoint
 from pretrain.models.common import LanguageModel, ModelOutput
-from pretrain.models.llama import (Block, LlamaConfig, RMSNorm, block_flops, check_length, init_weights,
-                                   rotary_tables)
+from pretrain.models.ebt_attention import two_stream_attention
+from pretrain.models.llama import (Block, LlamaConfig, RMSNorm, block_flops, causal_attention, check_length,
+                                   init_weights, rotary_tables)
 from pretrain.models.registry import register_family, register_flavor
 
 MIN_ALPHA = 1e-4
@@ -119,29 +120,21 @@ class EBTConfig(LlamaConfig):
         return 1 if self.time_embed else 0
 
 
-def two_stream_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_obs: torch.Tensor,
-                         v_obs: torch.Tensor, offset: int) -> torch.Tensor:
-    """Attention of the predicted rows [B, H, R, hd]: row r attends to observed keys
-    0..r + offset and to its own key, in one softmax. Exact and cheap: the scores against the
-    observed keys with an inclusive causal mask plus the single self score q_r . k_r, so no
-    2T x 2T mask. Written with plain matmuls and elementwise ops, which have a double backward
-    on every device (the flash SDPA kernel has none)."""
-    q = q * q.size(-1) ** -0.5
-    rows = torch.arange(q.size(-2), device=q.device)[:, None]
-    keys = torch.arange(k_obs.size(-2), device=q.device)[None, :]
-    # an additive -inf bias: cheaper than masked_fill in the first and second backward
-    hidden = torch.zeros(rows.size(0), keys.size(1), dtype=q.dtype, device=q.device).masked_fill_(
-        keys > rows + offset, float("-inf"))
-    wide = torch.promote_types(q.dtype, torch.float32)
-    scores = (q @ k_obs.transpose(-2, -1) + hidden).to(wide)
-    self_score = (q * k).sum(-1, keepdim=True).to(wide)
-    # The softmax over [scores, self score] written out, without concatenating or slicing
-    # [B, H, R, T] tensors (whose backward copies them). Its value does not depend on the
-    # shift, so a detached shift leaves every derivative exact.
-    shift = torch.maximum(scores.amax(-1, keepdim=True), self_score).detach()
-    weights, self_weight = torch.exp(scores - shift), torch.exp(self_score - shift)
-    total = weights.sum(-1, keepdim=True) + self_weight
-    return (weights.to(q.dtype) @ v_obs + self_weight.to(q.dtype) * v) / total.to(q.dtype)
+def stream_attention(stream: str) -> Callable:
+    """The attention each of the backbone's two streams runs through, chosen by how often the
+    descent differentiates it (flash SDPA kernels have no double backward):
+
+    - "observed": causal SDPA, torch's fastest kernel for the device (flash on GPU). The energy
+      gradient is taken w.r.t. the candidate only, with the observed keys and values as
+      constants, so this stream is differentiated once, with or without reuse.
+    - "predicted": `two_stream_attention` (`ebt_attention.py`), whose first and second
+      derivatives are written out and run on every device: training differentiates these rows
+      twice (the energy gradient, then the loss through it)."""
+    if stream == "observed":
+        return causal_attention
+    if stream == "predicted":
+        return two_stream_attention
+    raise ValueError(f"unknown EBT attention stream {stream!r}: 'observed' or 'predicted'")
 
 
 def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -261,7 +254,7 @@ class EnergyDescent(nn.Module):
         checkpointed = self.config.activation_checkpointing == "block"
         observed = []
         for layer in self.layers[:-1]:
-            x, k, v = maybe_checkpoint(checkpointed, layer, x, rope)
+            x, k, v = maybe_checkpoint(checkpointed, layer, x, rope, stream_attention("observed"))
             observed.append((k, v))
         # the last layer's observed outputs feed nothing: only its keys and values are needed
         last = self.layers[-1]
@@ -282,7 +275,7 @@ class EnergyDescent(nn.Module):
         checkpointed = self.config.activation_checkpointing == "block"
         x = embedded
         for layer, (k_obs, v_obs) in zip(self.layers, observed):
-            attend = functools.partial(two_stream_attention, k_obs=k_obs, v_obs=v_obs,
+            attend = functools.partial(stream_attention("predicted"), k_obs=k_obs, v_obs=v_obs,
                                        offset=first_row + n_prefix)
             x = maybe_checkpoint(checkpointed, layer, x, rope, attend)[0]
         return self.energy_head(self.norm(x)).squeeze(-1)

@@ -18,7 +18,8 @@ from pretrain.models.common import LanguageModel, ModelOutput
 from pretrain.models.registry import register_family, register_flavor
 
 Rope = tuple[torch.Tensor, torch.Tensor]
-"""(cos, sin), each [T, head_dim]: the rotary tables for T positions."""
+"""(cos, signed sin), each [T, head_dim]: the rotary tables for T positions (see
+`rotary_tables`)."""
 
 
 @dataclass
@@ -82,21 +83,24 @@ class RMSNorm(nn.Module):
 
 
 def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> Rope:
-    """cos and sin [len(positions), head_dim] of the rotary angles at `positions` (half-split
-    layout: channel c pairs with channel c + head_dim / 2). The angles are computed in float32
-    (float64 for float64 models) before casting, so bf16 models keep exact positions."""
+    """cos and signed sin [len(positions), head_dim] of the rotary angles at `positions`
+    (half-split layout: channel c pairs with channel c + head_dim / 2; the sin of the first
+    half is negated, see `apply_rotary`). The angles are computed in float32 (float64 for
+    float64 models) before casting, so bf16 models keep exact positions."""
     wide = torch.promote_types(dtype, torch.float32)
     inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=positions.device, dtype=wide) / head_dim)
     angles = positions.to(wide)[:, None] * inv_freq[None, :]
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    sin = angles.sin()
+    return torch.cat([angles, angles], dim=-1).cos().to(dtype), torch.cat([-sin, sin], dim=-1).to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, rope: Rope) -> torch.Tensor:
-    """Rotate [B, H, T, head_dim] queries or keys by their positions' angles."""
-    cos, sin = rope
-    half = x.size(-1) // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+    """Rotate [B, H, T, head_dim] queries or keys by their positions' angles:
+    (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin). The half swap is a roll, whose backward is
+    another roll (slicing and concatenating halves allocates zero-filled gradients in every
+    backward, and the EBT descent runs three)."""
+    cos, signed_sin = rope
+    return x * cos + torch.roll(x, x.size(-1) // 2, dims=-1) * signed_sin
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -115,8 +119,10 @@ class Attention(nn.Module):
         self.wo = nn.Linear(D, D, bias=False)
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, D] -> [B, H, T, head_dim], contiguous: the heads' matmuls (EBT's attention
+        runs many per call) would otherwise copy the transposed view each time."""
         B, T, D = x.shape
-        return x.view(B, T, self.n_head, D // self.n_head).transpose(1, 2)
+        return x.view(B, T, self.n_head, D // self.n_head).transpose(1, 2).contiguous()
 
     def keys_values(self, h: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotated keys and values [B, H, T, head_dim] of the normalised input h."""
