@@ -51,9 +51,7 @@ def test_kill_9_during_training_then_resume(matrix, tmp_path):
         try:
             wait_for(marker(name, runs.CKPT_INTERVAL), proc)
         finally:
-            for pid in runs.process_tree(proc.pid):  # torchrun, both trainers, their loader workers
-                os.kill(pid, signal.SIGKILL)
-            proc.wait()
+            kill_tree(proc)
     assert proc.returncode == -signal.SIGKILL
     runs.remove_leaked_shared_memory()
     assert not (runs.run_dir(name) / "summary.json").exists(), "the run finished before the kill"
@@ -81,55 +79,84 @@ def test_kill_9_during_training_then_resume(matrix, tmp_path):
     assert_same_losses(name, family, stage)
 
 
-def launch_srun_style(command: list[str]) -> list[subprocess.Popen]:
-    """Two trainer processes started the way `srun` starts tasks: rank from SLURM_PROCID."""
-    port = str(runs.free_port())
-    return [subprocess.Popen(command, cwd=runs.REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             preexec_fn=runs.lower_priority,
-                             env=runs.child_env(SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NTASKS="2",
-                                                SLURM_NODEID="0", SLURM_STEP_TASKS_PER_NODE="2",
-                                                MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
-            for rank in (0, 1)]
+def kill_tree(proc: subprocess.Popen) -> None:
+    for pid in runs.process_tree(proc.pid):  # the launcher, the trainers, their loader workers
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
 
 
-def finish(procs: list[subprocess.Popen], timeout: float = 300) -> list[tuple[int, str, str]]:
-    try:
-        outputs = [p.communicate(timeout=timeout) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outputs)]
+class Runs:
+    """Trainer processes writing to log files (a pipe nobody reads while the test waits for a
+    checkpoint would block a chatty child), all killed with their children if the test fails
+    before they exit."""
+
+    def __init__(self, log_dir: Path):
+        self.log_dir, self.procs, self.logs = log_dir, [], []
+
+    def start(self, command: list[str], **env) -> subprocess.Popen:
+        n = len(self.procs)
+        out, err = self.log_dir / f"{n}.out", self.log_dir / f"{n}.err"
+        with open(out, "w") as stdout, open(err, "w") as stderr:
+            proc = subprocess.Popen(command, cwd=runs.REPO, stdout=stdout, stderr=stderr,
+                                    preexec_fn=runs.lower_priority, env=runs.child_env(**env))
+        self.procs.append(proc)
+        self.logs.append((out, err))
+        return proc
+
+    def start_srun_style(self, command: list[str]) -> list[subprocess.Popen]:
+        """Two trainer processes started the way `srun` starts tasks: rank from SLURM_PROCID."""
+        port = str(runs.free_port())
+        return [self.start(command, SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NTASKS="2",
+                           SLURM_NODEID="0", SLURM_STEP_TASKS_PER_NODE="2", MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=port)
+                for rank in (0, 1)]
+
+    def finish(self, procs: list[subprocess.Popen], timeout: float = 300) -> list[tuple[int, str, str]]:
+        deadline = time.monotonic() + timeout
+        for proc in procs:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        return [(proc.returncode, *(path.read_text() for path in self.logs[self.procs.index(proc)]))
+                for proc in procs]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        for proc in self.procs:
+            if proc.poll() is None:
+                kill_tree(proc)
 
 
 @pytest.mark.parametrize("launcher", ["srun-SIGUSR1", "torchrun-SIGTERM"])
-def test_preemption_signal_saves_and_exits_with_the_requeue_code(matrix, launcher):
+def test_preemption_signal_saves_and_exits_with_the_requeue_code(matrix, launcher, tmp_path):
     """srun-style: Slurm's SIGUSR1 reaches every process of rank 1 only (its loader worker
     too); both ranks stop after the same step and exit with the requeue code. torchrun: SIGTERM
     to torchrun, which passes it to each trainer's process group (loader workers included)."""
     family, stage, name = "gpt", 2, f"preempted-{launcher}"
     overrides = runs.run_overrides(family, stage) + [f"run_name={name}"]
-    if launcher.startswith("srun"):
-        procs = launch_srun_style(runs.train_command(overrides, nproc=1))
-        wait_for(marker(name, runs.CKPT_INTERVAL), procs[0])
-        for pid in runs.process_tree(procs[1].pid):
-            os.kill(pid, signal.SIGUSR1)
-        (code0, out, err), (code1, _, _) = finish(procs)
-        assert (code0, code1) == (EXIT_PREEMPTED, EXIT_PREEMPTED), err[-3000:]
-        assert "another rank's signal" in out  # rank 0 stopped because rank 1 was told to
-    else:
-        procs = [subprocess.Popen(runs.train_command(overrides), cwd=runs.REPO, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True, preexec_fn=runs.lower_priority,
-                                  env=runs.child_env())]
-        wait_for(marker(name, runs.CKPT_INTERVAL), procs[0])
-        procs[0].send_signal(signal.SIGTERM)
-        ((code, out, err),) = finish(procs)
-        assert code != 0 and "on SIGTERM: checkpoint saved, exit code 75" in out, err[-3000:]
-    stopped = [int(line.split()[3]) for line in out.splitlines() if line.startswith("stopping at step")]
-    assert len(stopped) == 1 and runs.CKPT_INTERVAL < stopped[0] < runs.N_STEPS
-    assert marker(name, stopped[0]).exists() and not (runs.run_dir(name) / "summary.json").exists()
+    with Runs(tmp_path) as started:
+        if launcher.startswith("srun"):
+            procs = started.start_srun_style(runs.train_command(overrides, nproc=1))
+            wait_for(marker(name, runs.CKPT_INTERVAL), procs[0])
+            for pid in runs.process_tree(procs[1].pid):
+                os.kill(pid, signal.SIGUSR1)
+            (code0, out, err), (code1, _, _) = started.finish(procs)
+            assert (code0, code1) == (EXIT_PREEMPTED, EXIT_PREEMPTED), err[-3000:]
+            assert "another rank's signal" in out  # rank 0 stopped because rank 1 was told to
+        else:
+            proc = started.start(runs.train_command(overrides))
+            wait_for(marker(name, runs.CKPT_INTERVAL), proc)
+            proc.send_signal(signal.SIGTERM)
+            ((code, out, err),) = started.finish([proc])
+            assert code != 0 and "on SIGTERM: checkpoint saved, exit code 75" in out, err[-3000:]
+        stopped = [int(line.split()[3]) for line in out.splitlines() if line.startswith("stopping at step")]
+        assert len(stopped) == 1 and runs.CKPT_INTERVAL < stopped[0] < runs.N_STEPS
+        assert marker(name, stopped[0]).exists() and not (runs.run_dir(name) / "summary.json").exists()
 
-    resumed = finish(launch_srun_style(runs.train_command(overrides, nproc=1)))
+        resumed = started.finish(started.start_srun_style(runs.train_command(overrides, nproc=1)))
     assert [code for code, _, _ in resumed] == [0, 0], resumed[0][2][-3000:]
     assert f"resuming at step {stopped[0]}" in resumed[0][1]
     assert_same_losses(name, family, stage)
