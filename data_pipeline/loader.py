@@ -136,7 +136,7 @@ def _release_prefix(registered: list[int]) -> None:
 
 
 class WindowDataset(streaming.StreamingDataset):
-    """A split's windows as int64 tensors of `seq_len + 1` tokens.
+    """A split's windows as uint16 arrays of `seq_len + 1` tokens, as stored.
 
     With `verify`, each process checks a shard's checksum the first time it reads from it: the
     check costs one read of the data per reading process and epoch 0, spread over the run
@@ -148,20 +148,31 @@ class WindowDataset(streaming.StreamingDataset):
         self.verify = verify
         self.verified_shards: set[int] = set()
 
-    def get_item(self, sample_id: int, retry: int = 7) -> torch.Tensor:
+    def get_item(self, sample_id: int, retry: int = 7) -> np.ndarray:
         if self.verify:
             shard_id, _ = self.spanner[sample_id]
             if shard_id not in self.verified_shards:
                 verify_shard_checksums(self.shards[shard_id])
                 self.verified_shards.add(shard_id)
-        window = super().get_item(sample_id, retry)["tokens"]
-        return torch.from_numpy(window.astype(np.int64))
+        return super().get_item(sample_id, retry)["tokens"]
 
 
-def split_inputs_targets(windows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Collate windows into (inputs, targets): targets are the inputs shifted by one token."""
-    batch = torch.stack(windows)
-    return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+def stack_windows(windows: list[np.ndarray]) -> dict[str, np.ndarray]:
+    """A micro-batch {"tokens": [B, seq_len + 1]} still in uint16. A DataLoader worker sends a
+    numpy array through its queue by value (one small pickle), where tensors would each get a
+    shared-memory segment, which dominated the cost of small batches. A dict, because
+    streaming counts the samples of a batch (for its resume position) as the length of a dict's
+    first value, and of anything else but a tensor as the length of its first element."""
+    return {"tokens": np.stack(windows)}
+
+
+def inputs_targets(batch: dict[str, np.ndarray], pin_memory: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) int64 [B, seq_len]: targets are the inputs shifted by one token."""
+    tokens = torch.from_numpy(batch["tokens"].astype(np.int64))
+    inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    if pin_memory:
+        return inputs.pin_memory(), targets.pin_memory()
+    return inputs, targets
 
 
 class TokenLoader:
@@ -174,8 +185,9 @@ class TokenLoader:
     """
 
     def __init__(self, dataset: WindowDataset, dataloader, manifest: dict, split: str,
-                 repeat: bool) -> None:
+                 repeat: bool, pin_memory: bool) -> None:
         self.dataset = dataset
+        self.pin_memory = pin_memory
         self.dataloader = dataloader
         self.manifest = manifest
         self.split = split
@@ -192,7 +204,7 @@ class TokenLoader:
                     # Streaming advanced its shared epoch counter when this epoch started.
                     self.epoch = int(self.dataset.next_epoch) - 1
                 produced = True
-                yield batch
+                yield inputs_targets(batch, self.pin_memory)
             if not self.repeat:
                 return
             # A restored position at the very end of an epoch gives one empty epoch; two in a
@@ -252,8 +264,8 @@ def build_loader(data_dir: str, split: str, *, micro_batch_size: int, seed: int,
         check_shard_sizes(dataset.shards)
     dataloader = streaming.StreamingDataLoader(
         dataset, batch_size=micro_batch_size, num_workers=num_workers, drop_last=True,
-        collate_fn=split_inputs_targets, pin_memory=pin_memory,
+        collate_fn=stack_windows,
         # DataLoader draws its workers' base seed at every epoch start; from its own generator
         # that draw leaves the global torch RNG (the trainer's) untouched.
         generator=torch.Generator().manual_seed(seed))
-    return TokenLoader(dataset, dataloader, manifest, split, repeat)
+    return TokenLoader(dataset, dataloader, manifest, split, repeat, pin_memory)
