@@ -23,6 +23,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import fcntl
+import mmap
 import os
 import tempfile
 from typing import Any, Iterator
@@ -141,20 +142,35 @@ class WindowDataset(streaming.StreamingDataset):
     With `verify`, each process checks a shard's checksum the first time it reads from it: the
     check costs one read of the data per reading process and epoch 0, spread over the run
     instead of a pass over the whole split before the first step.
+
+    The first read of a shard in a process goes through streaming (which makes the shard local,
+    decompressing it if needed); later reads take the sample's bytes from a read-only memory map
+    of the shard's MDS file and decode them with streaming's reader. Streaming opens, seeks and
+    closes the file for every sample, which cost more than a whole tiny training step's worth
+    of windows. (This relies on shards never being evicted: the loader sets no cache limit.)
     """
 
     def __init__(self, *, verify: bool, **kwargs) -> None:
         super().__init__(**kwargs)
         self.verify = verify
-        self.verified_shards: set[int] = set()
+        self.mapped_shards: dict[int, np.ndarray] = {}
 
     def get_item(self, sample_id: int, retry: int = 7) -> np.ndarray:
-        if self.verify:
-            shard_id, _ = self.spanner[sample_id]
-            if shard_id not in self.verified_shards:
-                verify_shard_checksums(self.shards[shard_id])
-                self.verified_shards.add(shard_id)
-        return super().get_item(sample_id, retry)["tokens"]
+        shard_id, index = self.spanner[sample_id]
+        mapped = self.mapped_shards.get(shard_id)
+        if mapped is None:
+            shard = self.shards[shard_id]
+            if self.verify:
+                verify_shard_checksums(shard)
+            window = super().get_item(sample_id, retry)["tokens"]
+            path = os.path.join(shard.dirname, shard.split, shard.raw_data.basename)
+            with open(path, "rb") as f:
+                self.mapped_shards[shard_id] = np.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ),
+                                                             dtype=np.uint8)
+            return window
+        # MDS: a uint32 sample count, then sample i's [begin, end) byte offsets at 4 (1 + i)
+        begin, end = mapped[4 * (1 + index):4 * (3 + index)].view(np.uint32)
+        return self.shards[shard_id].decode_sample(mapped[begin:end].tobytes())["tokens"]
 
 
 def stack_windows(windows: list[np.ndarray]) -> dict[str, np.ndarray]:
