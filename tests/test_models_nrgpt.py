@@ -17,7 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from pretrain.models import build, resolve
-from pretrain.models.nrgpt import EnergyAttention, EnergyFF, NRGPTConfig, act_and_slope
+from pretrain.models.nrgpt import EnergyAttention, EnergyFF, MixAndSelfWeight, NRGPTConfig, act_and_slope
 
 D, H, T, B = 12, 2, 6, 2
 
@@ -114,6 +114,37 @@ def test_exact_attention_gradient_is_own_energy_gradient(attention, mask):
     g = random_g()
     expected = own_gradient(lambda moved: explicit_energy(attn, moved, moved), g)
     assert torch.allclose(attn(g), expected, atol=1e-10, rtol=1e-10)
+
+
+def test_mix_and_self_weight_backward():
+    """The explicit path's p @ k and diagonal of p, whose backward adds the diagonal's gradient
+    in place: gradcheck in float64, with gradients for both outputs or only one."""
+    torch.manual_seed(0)
+    p = torch.rand(2, 3, 5, 5, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 3, 5, 4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(MixAndSelfWeight.apply, (p, k))
+    assert torch.autograd.gradcheck(lambda p, k: MixAndSelfWeight.apply(p, k)[1], (p, k))
+    assert torch.autograd.gradcheck(lambda p, k: MixAndSelfWeight.apply(p, k)[0], (p, k))
+
+
+@pytest.mark.parametrize("attention, mask", ATTENTION_CASES)
+def test_training_backward_through_the_attention_gradient_equals_autograd(attention, mask):
+    """Training differentiates the closed-form gradient once: its parameter and input gradients
+    (through the additive causal mask and the self term's diagonal) equal autograd's through
+    each token's own energy gradient taken by autograd (row A: dE(A)/dg_A)."""
+    attn = randomize(EnergyAttention(config(attention=attention, mask=mask, grad_mode="exact")))
+    g = random_g().requires_grad_()
+    weights = torch.randn_like(g)
+    params = [p for p in attn.parameters() if p.requires_grad]
+    got = torch.autograd.grad((attn(g) * weights).sum(), [g, *params])
+    rows = []
+    for A in range(g.size(1)):
+        g_A = g[:, A].clone()
+        moved = torch.cat([g[:, :A], g_A[:, None], g[:, A + 1:]], dim=1)
+        rows.append(torch.autograd.grad(attn.energy(moved)[:, A].sum(), g_A, create_graph=True)[0])
+    expected = torch.autograd.grad((torch.stack(rows, dim=1) * weights).sum(), [g, *params])
+    for a, b in zip(got, expected):
+        assert torch.allclose(a, b, atol=1e-10, rtol=1e-8)
 
 
 @pytest.mark.parametrize("attention, mask", ATTENTION_CASES)

@@ -128,15 +128,20 @@ class EnergyAttention(nn.Module):
         return torch.cat([t.new_zeros(B, H, 1, d), t], dim=2)
 
     def masked_scores(self, q, k) -> torch.Tensor:
-        _, H, T, _ = k.shape
+        B, H, T, d = k.shape
+        # the causal mask as an additive -inf bias: its backward passes the gradient through
+        # untouched (masked_fill would zero the masked entries again, which the softmax's
+        # backward has already made zero), and for lowrank it is fused into the matmul
+        future = torch.zeros(T, T, dtype=q.dtype, device=q.device).masked_fill_(
+            torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
         if self.lowrank:
-            scores = (self.beta * q) @ k.transpose(-1, -2)
-        else:
-            # q is g expanded over the heads (beta = 1): one [T, D] x [D, H T] matmul per
-            # sequence, instead of a batched matmul that would first copy g for every head
-            scores = (q[:, 0] @ k.flatten(1, 2).transpose(1, 2)).unflatten(-1, (H, T)).transpose(1, 2)
-        future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
-        return scores.masked_fill(future, float("-inf"))
+            scores = torch.baddbmm(future, q.reshape(B * H, T, d), k.reshape(B * H, T, d).transpose(1, 2),
+                                   alpha=self.beta)
+            return scores.view(B, H, T, T)
+        # q is g expanded over the heads (beta = 1): one [T, D] x [D, H T] matmul per
+        # sequence, instead of a batched matmul that would first copy g for every head
+        scores = (q[:, 0] @ k.flatten(1, 2).transpose(1, 2)).unflatten(-1, (H, T)).transpose(1, 2)
+        return scores + future
 
     def weighted(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.alpha is None else t * self.alpha.view(1, -1, 1, 1)
@@ -155,7 +160,7 @@ class EnergyAttention(nn.Module):
             # The scores as a tensor: the same FLOPs as attention, O(T^2) memory per head, no
             # fused kernel. (torch's softmax accumulates bf16 in float32, as the fused kernels.)
             p = torch.softmax(self.masked_scores(q_seen, k_seen), dim=-1)
-            mixed, p_self = p @ k_seen, p.diagonal(dim1=-2, dim2=-1).unsqueeze(-1)
+            mixed, p_self = MixAndSelfWeight.apply(p, k_seen)
         elif q_seen.size(2) == 0:  # strict mask, one token: no keys at all
             mixed = q_seen
         else:
@@ -166,6 +171,28 @@ class EnergyAttention(nn.Module):
         if self.self_term:
             grad = grad - merge_heads(self.weighted(p_self * q)) @ self.key.weight
         return grad
+
+
+class MixAndSelfWeight(torch.autograd.Function):
+    """(p @ k, the diagonal p_AA [.., T, 1]) of attention weights p [.., T, T]. Autograd would
+    give the diagonal's gradient as a zero-filled [T, T] tensor added to p's other gradient;
+    here it is added into that gradient's diagonal in place."""
+
+    @staticmethod
+    def forward(ctx, p, k):
+        ctx.save_for_backward(p, k)
+        return p @ k, p.diagonal(dim1=-2, dim2=-1).unsqueeze(-1)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_mixed, grad_self):
+        p, k = ctx.saved_tensors
+        if grad_mixed is None:
+            grad_mixed = torch.zeros_like(k)
+        grad_p = grad_mixed @ k.transpose(-1, -2)
+        if grad_self is not None:
+            grad_p.diagonal(dim1=-2, dim2=-1).add_(grad_self.squeeze(-1))
+        return grad_p, p.transpose(-1, -2) @ grad_mixed
 
 
 def normal_cdf_pdf(u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
