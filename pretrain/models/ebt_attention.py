@@ -70,9 +70,8 @@ class TwoStreamAttention(torch.autograd.Function):
         q, k, v, K, V = map(batched, inputs)
         R, T, scale = q.size(1), K.size(1), q.size(2) ** -0.5
         wide = torch.promote_types(q.dtype, torch.float32)
-        rows = torch.arange(R, device=q.device)[:, None]
-        hidden = torch.zeros(R, T, dtype=q.dtype, device=q.device).masked_fill_(
-            torch.arange(T, device=q.device) > rows + offset, float("-inf"))
+        # additive mask: row r hides observed keys after r + offset
+        hidden = torch.full((R, T), float("-inf"), dtype=q.dtype, device=q.device).triu(offset + 1)
         self_scores = rowdot(q, k) * scale
         mixed, probs = [], []
         for r0, r1, e in causal_chunks(R, T, offset):

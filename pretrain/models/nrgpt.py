@@ -132,8 +132,7 @@ class EnergyAttention(nn.Module):
         # the causal mask as an additive -inf bias: its backward passes the gradient through
         # untouched (masked_fill would zero the masked entries again, which the softmax's
         # backward has already made zero), and for lowrank it is fused into the matmul
-        future = torch.zeros(T, T, dtype=q.dtype, device=q.device).masked_fill_(
-            torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+        future = torch.full((T, T), float("-inf"), dtype=q.dtype, device=q.device).triu(1)
         if self.lowrank:
             scores = torch.baddbmm(future, q.reshape(B * H, T, d), k.reshape(B * H, T, d).transpose(1, 2),
                                    alpha=self.beta)
