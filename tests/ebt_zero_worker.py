@@ -2,6 +2,7 @@
 trains a tiny EBT (S1, step-checkpointed descent, and S2) for a few steps under ZeRO-2 and
 ZeRO-3 in the same two processes and writes every step's loss, per stage and recipe, to the
 JSON file named by argv[1] (rank 0)."""
+import gc
 import json
 import sys
 
@@ -36,6 +37,11 @@ def train(flavor: str, overrides: dict, stage: int, rank: int) -> list[float]:
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
+    # Released now, as the trainer's close does: an engine left to interpreter shutdown, after
+    # the process group is gone, occasionally aborted the process at exit ("terminate called
+    # without an active exception").
+    del engine, optimizer, model
+    gc.collect()
     return losses
 
 
