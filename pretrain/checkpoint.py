@@ -34,6 +34,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from pretrain.fileio import atomic_write, atomic_write_text
+
 MARKER = "complete.json"
 LATEST = "latest"
 UNIVERSAL = "universal"
@@ -96,17 +98,6 @@ def find_checkpoint(resume: str, ckpt_dir: Path) -> Path | None:
     raise ValueError(f"resume={resume}: no complete checkpoint found there")
 
 
-def atomic_write(path: Path, write) -> None:
-    """`write(tmp)` a temporary file next to `path`, then rename it into place: readers see the
-    old file or the new one, never half of one."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def save(engine, ckpt_dir: Path, step: int, client_state: dict, rank_state: dict, keep: int,
          marker: dict) -> Path:
     """Write checkpoint `step` on every rank (`rank_state` is this rank's own extra state), then
@@ -125,8 +116,8 @@ def save(engine, ckpt_dir: Path, step: int, client_state: dict, rank_state: dict
     dist.barrier()
     if rank == 0:
         marker = {"step": step, "world_size": dist.get_world_size(), "time": time.time(), **marker}
-        atomic_write(tag_dir / MARKER, lambda tmp: tmp.write_text(json.dumps(marker)))
-        atomic_write(ckpt_dir / LATEST, lambda tmp: tmp.write_text(tag_dir.name))
+        atomic_write_text(tag_dir / MARKER, json.dumps(marker))
+        atomic_write_text(ckpt_dir / LATEST, tag_dir.name)
         _prune(ckpt_dir, keep)
     return tag_dir
 

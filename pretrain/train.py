@@ -39,10 +39,12 @@ from pretrain.config import (ConfigError, RunConfig, get_key, gradient_accumulat
                              load_config, model_config, resolved_precision, to_dict, validate)
 from pretrain.engine import configure_device_math, deepspeed_config, distributed_env, initialize
 from pretrain.evaluate import EvalResult, decode_padded, evaluate
+from pretrain.fileio import atomic_write_text
 from pretrain.flops import achieved_tflops, mfu, peak_tflops
 from pretrain.metrics import Metrics, diagnostic_scalars
-from pretrain.models import build
+from pretrain.models import build, family_name
 from pretrain.optim import build_optimizer, lr_factor, param_groups, set_lr
+from pretrain.summary import RunRecord
 
 EXIT_PREEMPTED = 75
 """EX_TEMPFAIL: stopped by SIGTERM/SIGUSR1 after saving a checkpoint; resubmit to resume."""
@@ -150,7 +152,7 @@ class Trainer:
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             text = yaml.safe_dump(to_dict(cfg), sort_keys=False)
-            checkpoint.atomic_write(self.run_dir / "config.yaml", lambda tmp: tmp.write_text(text))
+            atomic_write_text(self.run_dir / "config.yaml", text)
         self.metrics = Metrics(self.run_dir, self.rank == 0, self.total_steps, self.state.step)
         self.metrics.hparams(to_dict(cfg), ["train/loss", "eval/loss"])
         self.metrics.print(
@@ -497,14 +499,12 @@ class Trainer:
         return result
 
     def write_summary(self) -> None:
-        from pretrain.scaling.registry import RunRecord
-
         if self.rank != 0:
             return
         cfg, state = self.cfg, self.state
         hardware = torch.cuda.get_device_name(self.device) if self.on_gpu else f"cpu ({platform.machine()})"
         RunRecord(
-            run_name=cfg.run_name, family=cfg.model.flavor.split("-")[0], flavor=cfg.model.flavor,
+            run_name=cfg.run_name, family=family_name(self.model_config), flavor=cfg.model.flavor,
             params=self.params, non_embedding_params=self.non_embedding_params,
             tokens_seen=state.tokens_seen, train_flops=self.flops_per_token * state.tokens_seen,
             final_train_loss=state.last_train_loss if state.last_train_loss is not None else math.nan,

@@ -577,7 +577,7 @@ class EBT(LanguageModel):
         return total * (1 + cfg.replay_fraction if cfg.replay_buffer_size else 1)
 
 
-register_family(EBTConfig, EBT)
+register_family("ebt", EBTConfig, EBT)
 
 # The paper's recipes at "small" (12L/768/12h; 126.8M with the two V x D tables at V=50304), with
 # step conditioning as the released scripts (S1: 2 steps, learnable alpha 500 with LR x1500, detach,

@@ -145,8 +145,8 @@ class GPTRec(LearnedPositionLM):
         return (3 if training else 1) * forward + self.readout_flops(training)
 
 
-register_family(GPTConfig, GPT)
-register_family(GPTRecConfig, GPTRec)
+register_family("gpt", GPTConfig, GPT)
+register_family("gpt_rec", GPTRecConfig, GPTRec)
 
 # GPT-2 small; 124.4M parameters at the padded GPT-2 vocabulary.
 register_flavor("gpt-124m", GPTConfig())

@@ -238,7 +238,7 @@ class TransformerPP(LanguageModel):
         return (3 if training else 1) * forward
 
 
-register_family(TransformerPPConfig, TransformerPP)
+register_family("transformer_pp", TransformerPPConfig, TransformerPP)
 
 # The EBT paper's "small" Transformer++ baseline: 126.8M with the two V x D tables at V=50304.
 register_flavor("transformer_pp-small", TransformerPPConfig())

@@ -400,7 +400,7 @@ class NRGPT(LearnedPositionLM):
         return (3 if training else 1) * c.n_steps * step + self.readout_flops(training)
 
 
-register_family(NRGPTConfig, NRGPT)
+register_family("nrgpt", NRGPTConfig, NRGPT)
 
 # The released OWT model (90.5M) and the same structure at ~125.6M.
 register_flavor("nrgpt-ff2w-90m", NRGPTConfig())

@@ -7,12 +7,15 @@ from typing import Any
 import torch.nn as nn
 
 _FAMILIES: dict[type, type[nn.Module]] = {}
+_FAMILY_NAMES: dict[type, str] = {}
 FLAVORS: dict[str, Any] = {}
 """Flavor name -> family config instance (treat as read-only; `resolve` returns copies)."""
 
 
-def register_family(config_cls: type, model_cls: type[nn.Module]) -> None:
+def register_family(name: str, config_cls: type, model_cls: type[nn.Module]) -> None:
+    """`name` is the family as runs, summaries and scaling fits call it (e.g. "nrgpt")."""
     _FAMILIES[config_cls] = model_cls
+    _FAMILY_NAMES[config_cls] = name
 
 
 def register_flavor(name: str, config: Any) -> None:
@@ -39,6 +42,12 @@ def model_class(config: Any) -> type[nn.Module]:
         return _FAMILIES[type(config)]
     except KeyError:
         raise ValueError(f"no model family registered for {type(config).__name__}") from None
+
+
+def family_name(config: Any) -> str:
+    """The registered family name of `config` (e.g. "gpt_rec")."""
+    model_class(config)  # the same error for an unregistered config
+    return _FAMILY_NAMES[type(config)]
 
 
 def build(config: Any) -> nn.Module:

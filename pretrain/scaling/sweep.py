@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from pretrain.fileio import atomic_write_text
 from pretrain.scaling.registry import SUMMARY_FILE, SWEEP_FILE
 
 
@@ -254,13 +254,13 @@ def write_run_configs(sweep: Sweep, runs: list[RunSpec]) -> list[Path]:
     paths = []
     for run in runs:
         path = config_dir / f"{run.run_name}.yaml"
-        _atomic_write(path, yaml.safe_dump(run.config, sort_keys=False))
+        atomic_write_text(path, yaml.safe_dump(run.config, sort_keys=False))
         paths.append(path)
     index = {"sweep": sweep.name,
              "runs": {r.run_name: {"group": r.group, "size": r.size, "budget": r.budget,
                                    "non_embedding_params": r.non_embedding_params,
                                    "max_tokens": r.max_tokens} for r in runs}}
-    _atomic_write(sweep.directory / SWEEP_FILE, json.dumps(index, indent=2) + "\n")
+    atomic_write_text(sweep.directory / SWEEP_FILE, json.dumps(index, indent=2) + "\n")
     return paths
 
 
@@ -268,7 +268,3 @@ def is_finished(sweep: Sweep, run: RunSpec) -> bool:
     return (sweep.directory / run.run_name / SUMMARY_FILE).is_file()
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)

@@ -107,13 +107,3 @@ def write_results(sweep: Sweep, name: str, markdown: str, rows: list[dict[str, A
     print(markdown)
     print(f"wrote {out}/{name}.md, {name}.csv, {name}.png")
     return out
-
-
-def markdown_table(rows: list[dict[str, Any]], formats: dict[str, str]) -> str:
-    """Rows as a Markdown table; `formats` maps a column to its format spec (e.g. ".3f")."""
-    columns = list(rows[0])
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    for row in rows:
-        cells = [format(row[c], formats.get(c, "")) for c in columns]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"

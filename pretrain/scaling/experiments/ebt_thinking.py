@@ -12,7 +12,8 @@ from itertools import islice
 
 import torch
 
-from pretrain.scaling.experiments.common import (markdown_table, train_and_evaluate,
+from pretrain.fileio import markdown_table
+from pretrain.scaling.experiments.common import (train_and_evaluate,
                                                  trained_model, write_results)
 from pretrain.scaling.report import pyplot
 

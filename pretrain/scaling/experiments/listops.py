@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 from data_pipeline.listops import listops_test_examples
 from data_pipeline.loader import read_manifest
-from pretrain.scaling.experiments.common import (markdown_table, train_and_evaluate,
+from pretrain.fileio import markdown_table
+from pretrain.scaling.experiments.common import (train_and_evaluate,
                                                  trained_model, write_results)
 from pretrain.scaling.report import pyplot
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from data_pipeline.prepare import ensure_prepared
 from pretrain.config import load_config
-from pretrain.scaling.experiments.common import (markdown_table, mean_loss,
+from pretrain.fileio import markdown_table
+from pretrain.scaling.experiments.common import (mean_loss,
                                                  train_and_evaluate, trained_model,
                                                  write_results)
 from pretrain.scaling.report import pyplot

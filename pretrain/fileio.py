@@ -1,0 +1,34 @@
+"""Small file utilities every component shares: atomic writes and Markdown tables."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+
+def atomic_write(path: str | Path, write: Callable[[Path], Any]) -> Path:
+    """`write(tmp)` a temporary file next to `path`, then rename it into place: readers see the
+    old file or the new one, never half of one (and a failed write leaves no temporary file)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    return atomic_write(path, lambda tmp: tmp.write_text(text))
+
+
+def markdown_table(rows: list[dict[str, Any]], formats: dict[str, str] | None = None) -> str:
+    """Rows (dicts with the same keys) as a Markdown table; `formats` maps a column to its
+    format spec (e.g. ".3f"); other cells are written with str()."""
+    formats = formats or {}
+    columns = list(rows[0])
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        lines.append("| " + " | ".join(format(row[c], formats.get(c, "")) for c in columns) + " |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,123 @@
+"""A trained model, loaded for use (evaluation, sampling, export) rather than for resuming.
+
+    trained = load_trained(RUN_DIR | CHECKPOINT_DIR | FILE.safetensors, device="cpu", dtype="fp32")
+    trained.model(idx).logits; trained.tokenizer.encode(text)
+
+The source is a run directory (its newest complete checkpoint), one checkpoint directory, or a
+safetensors file written by `python -m pretrain.export`. Sampling, evaluation and the exports
+all load through here, so they see the same weights and the same tokenizer."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from pretrain import checkpoint
+from pretrain.models import build, family_name, resolve
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class LoadError(ValueError):
+    """A source that holds no usable trained model; the message is one line."""
+
+
+@dataclass
+class TrainedModel:
+    model: nn.Module
+    """The model in eval mode, on the requested device and dtype."""
+    flavor: str
+    """Registered flavor name, e.g. "nrgpt-tiny"."""
+    model_config: Any
+    """The family config the model was built from."""
+    step: int
+    """Optimizer steps the weights were trained for."""
+    source: Path
+    """The checkpoint directory or file the weights came from."""
+    run_config: dict
+    """The run's saved config (as written in the checkpoint marker or the export's metadata)."""
+    manifest: dict | None
+    """The training data's manifest (tokenizer and vocabulary), None if it cannot be found."""
+
+    @property
+    def family(self) -> str:
+        return family_name(self.model_config)
+
+    @property
+    def tokenizer(self):
+        """The tokenizer the model was trained with (from the data manifest)."""
+        from data_pipeline.tokenizer import tokenizer_from_spec
+
+        if self.manifest is None:
+            raise LoadError(f"{self.source}: the training data's manifest (its tokenizer) was not found")
+        return tokenizer_from_spec(self.manifest)
+
+
+def consolidated_state_dict(tag_dir: Path) -> dict[str, torch.Tensor]:
+    """The full fp32 weights (and buffers) of one checkpoint."""
+    if checkpoint.read_marker(tag_dir)["config"]["zero"]["stage"] == 0:
+        # without ZeRO every rank holds the whole model; the model-states file has it
+        module = torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu",
+                            weights_only=False)["module"]
+        return {k: v.float() if v.is_floating_point() else v for k, v in module.items()}
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+
+
+def find_trained_checkpoint(source: str | Path) -> Path:
+    """The checkpoint directory `source` names: itself, or the newest complete one of a run
+    directory or its `ckpt/`."""
+    path = Path(source)
+    if not path.exists():
+        raise LoadError(f"{source}: no such run directory, checkpoint or file")
+    try:
+        tag_dir = checkpoint.find_checkpoint(str(path), path / "ckpt")
+    except ValueError:
+        tag_dir = None
+    if tag_dir is None:
+        raise LoadError(f"{source}: no complete checkpoint found (a run directory, one of its "
+                        "ckpt/step_* directories or an exported .safetensors file is expected)")
+    return tag_dir
+
+
+def _read_manifest(data_path: str | None) -> dict | None:
+    if not data_path:
+        return None
+    file = Path(data_path) / "manifest.json"
+    return json.loads(file.read_text()) if file.is_file() else None
+
+
+def load_trained(source: str | Path, device: str | torch.device = "cpu", dtype: str = "fp32") -> TrainedModel:
+    """Load the model `source` names (see the module docstring) for inference."""
+    if dtype not in DTYPES:
+        raise LoadError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    path = Path(source)
+    if path.is_file() and path.suffix == ".safetensors":
+        from safetensors import safe_open
+        from safetensors.torch import load_file
+
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+        if "flavor" not in metadata:
+            raise LoadError(f"{source}: not a model exported by pretrain.export (no flavor in its metadata)")
+        flavor, raw_model_config = metadata["flavor"], json.loads(metadata["model_config"])
+        run_config = json.loads(metadata.get("run_config", "{}"))
+        state, step = load_file(str(path)), int(metadata.get("step", 0))
+    else:
+        path = find_trained_checkpoint(source)
+        marker = checkpoint.read_marker(path)
+        run_config, raw_model_config = marker["config"], marker["model_config"]
+        flavor, step = run_config["model"]["flavor"], marker["step"]
+        state = consolidated_state_dict(path)
+    model_cfg = resolve(flavor, raw_model_config)
+    model = build(model_cfg)
+    model.load_state_dict(state, strict=True)
+    model.to(device=device, dtype=DTYPES[dtype]).eval()
+    manifest = _read_manifest(run_config.get("data", {}).get("path"))
+    return TrainedModel(model=model, flavor=flavor, model_config=model_cfg, step=step, source=path,
+                        run_config=run_config, manifest=manifest)
