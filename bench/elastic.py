@@ -51,7 +51,7 @@ def main() -> None:
     import deepspeed
 
     from pretrain import checkpoint
-    from pretrain.config import load_config, to_dict, validate
+    from pretrain.config import load_config, validate
     from pretrain.engine import distributed_env
     from pretrain.train import Trainer
 
@@ -72,18 +72,17 @@ def main() -> None:
         tokens = torch.randint(0, 50257, (1, args.seq_len + 1))
         engine.backward(engine(tokens[:, :-1], tokens[:, 1:]).loss)
         engine.step()
-        marker = {"config": to_dict(cfg), "model_config": {}}
 
         times = {"save": [], "load as saved": [], "convert to universal (once)": [], "load universal": []}
         sizes = {}
         for round_ in range(args.rounds):
             step = round_ + 1
-            tag_dir = trainer.ckpt_dir / checkpoint.tag_for(step)
-            times["save"].append(timed(lambda: checkpoint.save(
-                engine, trainer.ckpt_dir, step, {}, {}, keep=1, marker=marker)))
-            times["load as saved"].append(timed(lambda: checkpoint.load(engine, tag_dir)))
+            manager = trainer.checkpoints
+            tag_dir = manager.ckpt_dir / checkpoint.tag_for(step)
+            times["save"].append(timed(lambda: manager.save(engine, step, {}, {}, data=None)))
+            times["load as saved"].append(timed(lambda: checkpoint.load_engine_state(engine, tag_dir, False)))
             times["convert to universal (once)"].append(timed(lambda: checkpoint.ensure_universal(tag_dir)))
-            times["load universal"].append(timed(lambda: checkpoint.load(engine, tag_dir, universal=True)))
+            times["load universal"].append(timed(lambda: checkpoint.load_engine_state(engine, tag_dir, True)))
             sizes = {"checkpoint": tree_bytes(tag_dir) - tree_bytes(tag_dir / checkpoint.UNIVERSAL),
                      "universal copy": tree_bytes(tag_dir / checkpoint.UNIVERSAL)}
         trainer.close()

@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from pretrain.fileio import atomic_write_text, markdown_table
+
 REPO = Path(__file__).resolve().parent.parent
 RESULT = "BENCH-RESULT "
 """Prefix of the worker's protocol lines on stdout; anything else goes to the log."""
@@ -212,21 +214,21 @@ def measure_throughput(case: Case, settings: Settings, micro_batch: int, started
                 start = time.perf_counter()
                 result = trainer.train_step(log_now=False)  # ends in a host sync (all-reduce, .tolist())
                 trainer.state.step += 1
-                losses.append(result["loss"])
+                losses.append(result.loss)
                 return time.perf_counter() - start
 
             losses: list[float] = []
             kernels = attention_kernels(step)
             for _ in range(settings.warmup - 1):
                 step()
-            trainer.interval = dict.fromkeys(trainer.interval, 0.0)
+            trainer.throughput.reset_interval()
             seconds = []
             timed_until = started + 0.8 * settings.case_seconds
             while len(seconds) < settings.steps and (len(seconds) < 2 or time.perf_counter() < timed_until):
                 seconds.append(step())
             tokens_per_step = micro_batch * case.seq_len
             tokens_per_s = tokens_per_step / statistics.median(seconds)
-            peak = trainer.peak_tflops  # train.peak_tflops, or the device's entry in pretrain.flops
+            peak = trainer.throughput.peak_tflops  # train.peak_tflops, or the device's entry in pretrain.flops
             return {
                 "params": trainer.params, "flops_per_token": trainer.flops_per_token,
                 "tokens_per_step": tokens_per_step, "timed_steps": len(seconds),
@@ -236,7 +238,7 @@ def measure_throughput(case: Case, settings: Settings, micro_batch: int, started
                 "peak_tflops": peak,
                 "mfu": mfu(trainer.flops_per_token, tokens_per_s, 1, peak) if peak else None,
                 "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None,
-                "data_wait_frac": trainer.interval["data_wait_s"] / trainer.interval["time_s"],
+                "data_wait_frac": trainer.throughput.figures()["train/data_wait_frac"],
                 "attention_kernels": kernels, "precision": trainer.precision,
                 "loss_first": losses[0], "loss_last": losses[-1],
             }
@@ -452,9 +454,7 @@ def write_reports(out: Path, report: dict) -> None:
     """gpu.json and gpu.md, each replaced atomically."""
     out.mkdir(parents=True, exist_ok=True)
     for name, text in (("gpu.json", json.dumps(report, indent=2) + "\n"), ("gpu.md", markdown(report))):
-        tmp = out / f".{name}.tmp"
-        tmp.write_text(text)
-        tmp.replace(out / name)
+        atomic_write_text(out / name, text)
 
 
 def markdown(report: dict) -> str:
@@ -463,36 +463,36 @@ def markdown(report: dict) -> str:
              f"{report['date']}, {env.get('device', report['device'])}; torch {env.get('torch', '?')}, "
              f"DeepSpeed {env.get('deepspeed', '?')}, CUDA {env.get('cuda')}, cuDNN {env.get('cudnn')}; "
              f"bf16, ZeRO-2, one process; synthetic tokens (vocabulary {report['vocab_size']}); "
-             f"{report['elapsed_s']:.0f} s of a {report['budget_s']:.0f} s budget.", "",
-             "| case | status | micro-batch x T | tokens/s | MFU | TFLOP/s | peak memory GiB | step ms "
-             "(median) | data wait | attention kernels (calls per step) |",
-             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
-    checks = []
+             f"{report['elapsed_s']:.0f} s of a {report['budget_s']:.0f} s budget.", ""]
+    columns = ("case", "status", "micro-batch x T", "tokens/s", "MFU", "TFLOP/s", "peak memory GiB",
+               "step ms (median)", "data wait", "attention kernels (calls per step)")
+    rows, checks = [], []
     for r in report["cases"]:
         if r.get("kind") == "ebt_check":
             checks.append(r)
-            continue
-        if r["status"] != "ok":
-            lines.append(f"| {r['case']} | {r['status']}: {r.get('error', '')} | | | | | | | | |")
-            continue
-        kernels = ", ".join(f"{k} {v}" for k, v in r["attention_kernels"].items()) or "none (explicit)"
-        lines.append(
-            f"| {r['case']} | ok | {r['micro_batch']} x {r['tokens_per_step'] // r['micro_batch']} | "
-            f"{r['tokens_per_s']:,.0f} | {_percent(r['mfu'])} | {r['tflops']:.3g} | "
-            f"{_number(r['peak_memory_gib'])} | {r['step_ms_median']:.1f} | {r['data_wait_frac']:.1%} | {kernels} |")
+        elif r["status"] != "ok":
+            rows.append(dict.fromkeys(columns, "") | {"case": r["case"], "status": f"{r['status']}: {r.get('error', '')}"})
+        else:
+            kernels = ", ".join(f"{k} {v}" for k, v in r["attention_kernels"].items()) or "none (explicit)"
+            rows.append(dict(zip(columns, (
+                r["case"], "ok", f"{r['micro_batch']} x {r['tokens_per_step'] // r['micro_batch']}",
+                f"{r['tokens_per_s']:,.0f}", _percent(r["mfu"]), f"{r['tflops']:.3g}",
+                _number(r["peak_memory_gib"]), f"{r['step_ms_median']:.1f}", f"{r['data_wait_frac']:.1%}", kernels))))
+    if rows:
+        lines.append(markdown_table(rows).rstrip("\n"))
     for r in checks:
         lines += ["", f"**{r['case']}**: {r['status']}"]
         if "variants" not in r:
             lines[-1] += f" ({r.get('error', '')})"
             continue
         lines += [f"(reference loss {r['reference_loss']:.4f} in float32 without TF32, "
-                  f"energy-head gradient norm {r['energy_head_grad_norm']:.3g})", "",
-                  "| variant | loss rel. error | worst gradient rel. error (tensor) | energy-head gradient "
-                  "rel. error | tolerance (loss / gradients) | pass |", "| --- | ---: | ---: | ---: | --- | --- |"]
-        for name, v in r["variants"].items():
-            lines.append(f"| {name} | {v['loss_rel_err']:.2e} | {v['max_grad_rel_err']:.2e} "
-                         f"({v['max_grad_rel_err_param']}) | {v['energy_head_grad_rel_err']:.2e} | "
-                         f"{v['tolerance']['loss']:g} / {v['tolerance']['grads']:g} | {'yes' if v['pass'] else 'NO'} |")
+                  f"energy-head gradient norm {r['energy_head_grad_norm']:.3g})", ""]
+        lines.append(markdown_table([{
+            "variant": name, "loss rel. error": f"{v['loss_rel_err']:.2e}",
+            "worst gradient rel. error (tensor)": f"{v['max_grad_rel_err']:.2e} ({v['max_grad_rel_err_param']})",
+            "energy-head gradient rel. error": f"{v['energy_head_grad_rel_err']:.2e}",
+            "tolerance (loss / gradients)": f"{v['tolerance']['loss']:g} / {v['tolerance']['grads']:g}",
+            "pass": "yes" if v["pass"] else "NO"} for name, v in r["variants"].items()]).rstrip("\n"))
     return "\n".join(lines) + "\n"
 
 

@@ -123,10 +123,10 @@ def main() -> None:
         start = time.perf_counter()
         run.save()
         save = time.perf_counter() - start
-        tag = run.ckpt_dir / f"step_{run.state.step:08d}"
+        tag = run.checkpoints.ckpt_dir / f"step_{run.state.step:08d}"
         size = sum(p.stat().st_size for p in tag.iterdir())
         start = time.perf_counter()
-        run._load(tag)
+        run.checkpoints.reload_newest(run.engine)  # checksums verified, as on a resume
         load = time.perf_counter() - start
         step = results["trainer, ZeRO-2"]
         print(f"checkpoint (ZeRO-2, {size / 1e6:.1f} MB): save {save * 1e3:.0f} ms = {save / step:.2f} steps, "

@@ -44,9 +44,10 @@ NNODES=${NNODES:-1}
 # torchrun forwards these signals to its workers and waits GRACE_SECONDS for them to save a
 # checkpoint. By default it does not handle SIGUSR1 (Slurm's early warning) and dies of it,
 # leaving the workers to be killed with the job step before they have saved. These must be
-# flags: torchrun overwrites TORCHELASTIC_SIGNALS_TO_HANDLE with its flag's default. Once its
-# workers have stopped, torchrun itself exits 1 (not the trainers' 75): slurm.sbatch requeues
-# on the signal it trapped, and a rerun resumes from the checkpoint either way.
+# flags: torchrun overwrites TORCHELASTIC_SIGNALS_TO_HANDLE with its flag's default.
+# pretrain.torchrun is torchrun itself, exiting with the trainer's code (75 after a checkpoint
+# saved on a signal, 2 for a bad config) and leaving out torchrun's own failure report, so that
+# rank 0's one-line error is the last line of a failed launch.
 args=(--nproc_per_node="$NPROC_PER_NODE"
       --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1
       --shutdown-timeout="${GRACE_SECONDS:-300}")
@@ -63,4 +64,6 @@ else
 fi
 
 cd "$repo_root"
-exec "$PYTHON" -m torch.distributed.run "${args[@]}" -m pretrain.train --config "$config" "$@"
+# The config, data and resume checks once, in one process, before any rank starts.
+"$PYTHON" -m pretrain.train --check --world-size "$((NPROC_PER_NODE * NNODES))" --config "$config" "$@" || exit
+exec "$PYTHON" -m pretrain.torchrun "${args[@]}" -m pretrain.train --config "$config" "$@"

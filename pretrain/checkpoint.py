@@ -1,25 +1,31 @@
-"""Sharded DeepSpeed checkpoints with a completion marker, retention and exact-resume state.
+"""Sharded DeepSpeed checkpoints: layout, completion marker, integrity, retention, exact resume.
 
 Layout of a run's `ckpt/` directory:
 
     ckpt/step_00000200/          one DeepSpeed checkpoint (model + optimizer shards, client state)
-        rank_state_00000.pt      per-process state: RNG states (python, numpy, torch, CUDA), ...
-        complete.json            written by rank 0 after every rank finished writing
+        rank_state_00000.pt      per-process state: RNG states (python, numpy, torch, CUDA), buffers
+        complete.json            written by rank 0 after every rank finished writing: the config,
+                                 the world size, the dataset's identity, each file's size + checksum
     ckpt/latest                  tag of the newest complete checkpoint, replaced atomically
 
 A checkpoint without `complete.json` was interrupted while being written and is never resumed
-from. DeepSpeed's own `latest` writing is switched off (it would point at a checkpoint before
-all ranks are done).
+from; one whose files no longer match the sizes and checksums in its marker is damaged, and a
+resume falls back to the newest intact one. DeepSpeed's own `latest` writing is switched off
+(it would point at a checkpoint before all ranks are done).
 
 ZeRO shards the optimizer state by rank, so a checkpoint resumed at another world size or ZeRO
 stage is first converted, once, to DeepSpeed's universal format (one file per parameter and
 state, independent of the partitioning), stored inside it:
 
-    ckpt/step_00000200/universal/    made by the first resume that needs it, then reused"""
+    ckpt/step_00000200/universal/    made by the first resume that needs it, then reused
+
+The trainer talks to `CheckpointManager` only: `resume_point()` before any work, `save()`,
+`load()` and `reload_newest()`."""
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -28,12 +34,16 @@ import shutil
 import socket
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
+import xxhash
 
+from pretrain.config import ConfigError, RunConfig, from_dict, get_key, padded_vocab, to_dict
+from pretrain.engine import seed_process
 from pretrain.fileio import atomic_write, atomic_write_text
 
 MARKER = "complete.json"
@@ -43,6 +53,60 @@ UNIVERSAL = "universal"
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be loaded or converted; the message is one line."""
+
+
+@dataclass
+class Marker:
+    """`complete.json`: what a checkpoint is, readable without loading it."""
+
+    step: int
+    """Optimizer steps taken when it was written."""
+    world_size: int
+    """Processes that wrote it (ZeRO shards fit only this world size)."""
+    config: RunConfig
+    """The run's resolved config at the time."""
+    model_config: dict
+    """The model family config, as plain data."""
+    time: float = 0.0
+    """When it was completed (seconds since the epoch)."""
+    files: dict[str, list] = field(default_factory=dict)
+    """Relative path -> [size in bytes, xxh3-64 hex digest] of every file written; empty in
+    checkpoints written before integrity records existed (they are trusted as they are)."""
+    data: dict | None = None
+    """Identity of the training data (fingerprint, tokenizer, vocabulary, seq_len); None in
+    checkpoints written before it was recorded."""
+
+    @classmethod
+    def read(cls, tag_dir: Path) -> Marker:
+        path = tag_dir / MARKER
+        try:
+            raw = json.loads(path.read_text())
+            if not isinstance(raw, dict):
+                raise ValueError("not a JSON object")
+            known = {f.name for f in dataclasses.fields(cls)}
+            values = {k: v for k, v in raw.items() if k in known}
+            values["config"] = from_dict(raw["config"], origin=str(path))
+            return cls(**values)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{path} is unreadable ({type(e).__name__}: "
+                                  f"{' '.join(str(e).split())})") from None
+
+    def to_json(self) -> str:
+        return json.dumps({**dataclasses.asdict(self), "config": to_dict(self.config)})
+
+
+@dataclass
+class ResumeState:
+    """What `CheckpointManager.load` restored; the trainer continues from here."""
+
+    tag_dir: Path
+    """The checkpoint loaded."""
+    train_state: dict
+    """The trainer's progress record as saved."""
+    loader_state: dict | None
+    """The train loader's position, None when the data changed deliberately (data.allow_change)."""
+    notes: list[str]
+    """One console line per layout change since the checkpoint was written."""
 
 
 def tag_for(step: int) -> str:
@@ -80,9 +144,9 @@ def _warn(message: str) -> None:
 
 def find_checkpoint(resume: str, ckpt_dir: Path) -> Path | None:
     """The checkpoint to resume from: `resume` is "auto" (the run's newest complete checkpoint,
-    or None for a fresh start), "never" (None) or a path to a checkpoint, a `ckpt/` directory or
-    a run directory (its newest complete checkpoint; an error if it has none)."""
-    if resume == "never":
+    or None for a fresh start), "never"/"restart" (None) or a path to a checkpoint, a `ckpt/`
+    directory or a run directory (its newest complete checkpoint; an error if it has none)."""
+    if resume in ("never", "restart"):
         return None
     if resume == "auto":
         return newest_complete(ckpt_dir)
@@ -98,52 +162,82 @@ def find_checkpoint(resume: str, ckpt_dir: Path) -> Path | None:
     raise ValueError(f"resume={resume}: no complete checkpoint found there")
 
 
-def save(engine, ckpt_dir: Path, step: int, client_state: dict, rank_state: dict, keep: int,
-         marker: dict) -> Path:
-    """Write checkpoint `step` on every rank (`rank_state` is this rank's own extra state), then
-    mark it complete (the marker holds `marker`, e.g. the config, readable without loading the
-    checkpoint), point `latest` at it and delete checkpoints beyond the newest `keep`.
-    Collective: every rank must call it."""
-    rank = dist.get_rank()
-    tag_dir = ckpt_dir / tag_for(step)
-    if rank == 0 and tag_dir.exists():  # left over by a run killed while writing this step
-        shutil.rmtree(tag_dir)
-    dist.barrier()
-    engine.save_checkpoint(str(ckpt_dir), tag=tag_dir.name, client_state=client_state,
-                           save_latest=False)
-    rank_state = {**rank_state, "rng": capture_rng()}
-    atomic_write(rank_state_file(tag_dir, rank), lambda tmp: torch.save(rank_state, tmp))
-    dist.barrier()
-    if rank == 0:
-        marker = {"step": step, "world_size": dist.get_world_size(), "time": time.time(), **marker}
-        atomic_write_text(tag_dir / MARKER, json.dumps(marker))
-        atomic_write_text(ckpt_dir / LATEST, tag_dir.name)
-        _prune(ckpt_dir, keep)
-    return tag_dir
+# --- integrity --------------------------------------------------------------------------------
+
+def checkpoint_files(tag_dir: Path) -> list[str]:
+    """The files a checkpoint's marker vouches for (relative paths, sorted): everything written
+    with it, not the marker itself nor a universal copy made later."""
+    files = []
+    for path in tag_dir.rglob("*"):
+        rel = path.relative_to(tag_dir)
+        if path.is_file() and rel.parts[0] != UNIVERSAL and not rel.parts[0].startswith(".") \
+                and rel.name != MARKER:
+            files.append(rel.as_posix())
+    return sorted(files)
 
 
-def _prune(ckpt_dir: Path, keep: int) -> None:
-    """Keep the newest `keep` complete checkpoints; drop older ones and older incomplete ones."""
-    tag_dirs = list_checkpoints(ckpt_dir)
-    complete = [p for p in tag_dirs if is_complete(p)]
-    kept = set(complete[-keep:])
-    for tag_dir in tag_dirs:
-        if tag_dir not in kept and tag_dir.name < complete[-1].name:
-            shutil.rmtree(tag_dir, ignore_errors=True)
+def file_digest(path: Path) -> str:
+    digest = xxhash.xxh3_64()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 23):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
-def read_marker(tag_dir: Path) -> dict:
-    return json.loads((tag_dir / MARKER).read_text())
+def _shared(items: list, compute) -> dict:
+    """{item: compute(item)} with the work split over the ranks of the job (every rank gets the
+    whole result). Outside a distributed job, one process does it all."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return {item: compute(item) for item in items}
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = {item: compute(item) for i, item in enumerate(items) if i % world == rank}
+    parts = [None] * world
+    dist.all_gather_object(parts, mine)
+    return {k: v for part in parts for k, v in part.items()}
 
 
-def needs_universal(tag_dir: Path, world_size: int, zero_stage: int) -> bool:
-    """Whether checkpoint `tag_dir` must be loaded through its universal form: ZeRO's optimizer
-    shards fit only the world size and stage that wrote them. Without ZeRO (stage 0) every rank
-    holds the whole state, so any world size loads it as saved. A change to or from stage 0
-    cannot be converted (the universal format holds ZeRO optimizer state): ValueError with a
-    one-line message saying what works instead."""
-    marker = read_marker(tag_dir)
-    saved_world, saved_stage = marker["world_size"], marker["config"]["zero"]["stage"]
+def record_files(tag_dir: Path) -> dict[str, list]:
+    """[size, digest] of every checkpoint file, hashed by all ranks together (collective)."""
+    return _shared(checkpoint_files(tag_dir),
+                   lambda rel: [(tag_dir / rel).stat().st_size, file_digest(tag_dir / rel)])
+
+
+def damaged_files(tag_dir: Path, marker: Marker, checksums: bool = True) -> list[str]:
+    """What no longer matches the marker's record: "path (why)" per file; [] when intact.
+    Sizes first (cheap), then (with `checksums`) the checksums of the files whose size is right
+    (collective)."""
+    problems, to_hash = [], []
+    for rel, (size, digest) in sorted(marker.files.items()):
+        path = tag_dir / rel
+        if not path.is_file():
+            problems.append(f"{path} (missing)")
+        elif path.stat().st_size != size:
+            problems.append(f"{path} ({path.stat().st_size} bytes, {size} written)")
+        else:
+            to_hash.append(rel)
+    digests = _shared(to_hash if checksums else [], lambda rel: file_digest(tag_dir / rel))
+    problems += [f"{tag_dir / rel} (checksum mismatch)" for rel in digests
+                 if digests[rel] != marker.files[rel][1]]
+    return problems
+
+
+def check_intact(tag_dir: Path, checksums: bool = True) -> tuple[Marker | None, list[str]]:
+    """(marker, damaged files) of a complete checkpoint: (None, [why]) if the marker itself is
+    unreadable. Collective when the job is distributed."""
+    try:
+        marker = Marker.read(tag_dir)
+    except CheckpointError as e:
+        return None, [str(e).removesuffix(".")]
+    return marker, damaged_files(tag_dir, marker, checksums)
+
+
+def needs_universal(saved_world: int, saved_stage: int, world_size: int, zero_stage: int,
+                    tag_dir: Path) -> bool:
+    """Whether a checkpoint of (saved_world, saved_stage) must be loaded through its universal
+    form at (world_size, zero_stage): ZeRO's optimizer shards fit only the world size and stage
+    that wrote them. Without ZeRO (stage 0) every rank holds the whole state, so any world size
+    loads it as saved. A change to or from stage 0 cannot be converted (the universal format
+    holds ZeRO optimizer state): ValueError with a one-line message saying what works instead."""
     if saved_stage == zero_stage:
         return zero_stage > 0 and saved_world != world_size
     if saved_stage == 0:
@@ -241,30 +335,14 @@ def _readable_by_every_stage(universal_dir: Path) -> None:
         torch.save(optimizer_state, optimizer_file)
 
 
-def load(engine, tag_dir: Path, universal: bool = False) -> tuple[dict, dict | None]:
-    """Load model and optimizer from `tag_dir`, through its universal form (made on first use)
-    if `universal`; returns the client state and this rank's own saved state (RNG states,
-    buffers), None if the checkpoint has none for this rank. Collective: every rank must call it."""
-    source = ensure_universal(tag_dir) if universal else tag_dir
-    groups = [{k: v for k, v in group.items() if k != "params"} for group in engine.optimizer.param_groups]
-    # DeepSpeed reads this switch from its config at load time; it is set per load because one
-    # engine can resume from a universal checkpoint and later reload one of its own checkpoints.
-    engine._config.load_universal_checkpoint = universal
-    load_path, client_state = engine.load_checkpoint(str(source.parent), tag=source.name,
-                                                     load_optimizer_states=True,
-                                                     load_lr_scheduler_states=False)
-    if load_path is None:
-        raise CheckpointError(f"DeepSpeed could not load checkpoint {tag_dir}")
-    if universal:
-        # DeepSpeed's ZeRO-3 universal load gives every param group the first group's settings
-        # (weight decay differs per group) and one shared step tensor, which AdamW then advances
-        # once per group: keep the groups' own settings and give each its own step.
-        for group, settings in zip(engine.optimizer.param_groups, groups, strict=True):
-            group.update(settings)
-        for state in engine.optimizer.optimizer.state.values():
-            if torch.is_tensor(state.get("step")):
-                state["step"] = state["step"].clone()
-    return client_state, read_rank_state(tag_dir, dist.get_rank())
+def _prune(ckpt_dir: Path, keep: int) -> None:
+    """Keep the newest `keep` complete checkpoints; drop older ones and older incomplete ones."""
+    tag_dirs = list_checkpoints(ckpt_dir)
+    complete = [p for p in tag_dirs if is_complete(p)]
+    kept = set(complete[-keep:])
+    for tag_dir in tag_dirs:
+        if tag_dir not in kept and tag_dir.name < complete[-1].name:
+            shutil.rmtree(tag_dir, ignore_errors=True)
 
 
 def read_rank_state(tag_dir: Path, rank: int) -> dict | None:
@@ -287,3 +365,243 @@ def restore_rng(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def data_identity(manifest: dict) -> dict:
+    """What makes a prepared dataset the same data: recorded in every checkpoint, compared on resume."""
+    return {key: manifest.get(key) for key in ("fingerprint", "tokenizer", "vocab_size", "seq_len")}
+
+
+# --- the manager --------------------------------------------------------------------------------
+
+class CheckpointManager:
+    """Owns a run's `ckpt/` directory: which checkpoint a run resumes from (checked against the
+    config before any work), saving every `checkpoint.interval` steps with retention, loading
+    (through the universal form after a layout change), and per-rank state (buffers, RNG)."""
+
+    def __init__(self, cfg: RunConfig, rank: int, world_size: int):
+        self.cfg = cfg
+        self.rank, self.world_size = rank, world_size
+        self.ckpt_dir = cfg.run_dir / "ckpt"
+        self.resume_from: tuple[Path, Marker] | None = None
+
+    # -- before any work
+
+    def resume_point(self, checking_only: bool = False) -> Path | None:
+        """Find and check the checkpoint this run starts from (None: a fresh start): intact (a
+        damaged newest one is skipped with a warning for the newest intact one), of the same
+        model and seq_len, loadable at this world size and ZeRO stage. `resume=restart` first
+        moves an existing run directory aside. Collective once the job is distributed (the
+        checksums are shared out; every rank reaches the same decision). `checking_only` (a
+        launcher's check before it starts the ranks): sizes but no checksums, nothing moved."""
+        cfg = self.cfg
+        if cfg.resume == "restart":
+            if not checking_only:
+                self._move_run_aside()
+            return None
+        if cfg.resume == "never" and list_checkpoints(self.ckpt_dir):
+            raise ConfigError(f"resume=never, but {cfg.run_dir} already holds checkpoints; "
+                              "resume=auto continues that run, resume=restart moves it aside and "
+                              "starts over, or choose another run_name")
+        try:
+            tag_dir = find_checkpoint(cfg.resume, self.ckpt_dir)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if tag_dir is None:
+            return None
+        explicit = Path(cfg.resume).name.startswith("step_")
+        candidates = [tag_dir] if explicit else [
+            p for p in reversed(list_checkpoints(tag_dir.parent)) if p.name <= tag_dir.name and is_complete(p)]
+        skipped = []
+        for candidate in candidates:
+            marker, damage = check_intact(candidate, checksums=not checking_only)
+            if not damage:
+                break
+            skipped.append(damage)
+        else:
+            detail = "; ".join(", ".join(damage) for damage in skipped)
+            if explicit:
+                raise CheckpointError(f"resume={cfg.resume}: the checkpoint is damaged: {detail}")
+            raise CheckpointError(f"no intact checkpoint in {tag_dir.parent}, every one is damaged: {detail}")
+        for damage in skipped:
+            _warn(f"damaged checkpoint skipped ({', '.join(damage)}); resuming from {candidate}")
+        for key in ("model", "data.seq_len"):
+            before, now = get_key(marker.config, key), get_key(cfg, key)
+            if before != now:
+                show = dataclasses.asdict if key == "model" else (lambda v: v)
+                raise ConfigError(f"{key}={show(now)!r} differs from the checkpoint {candidate} "
+                                  f"({show(before)!r}); start a new run (another run_name, or "
+                                  "resume=restart to move this one aside)")
+        try:  # a ZeRO stage change that cannot be converted fails here, before any work
+            needs_universal(marker.world_size, marker.config.zero.stage, self.world_size,
+                            cfg.zero.stage, candidate)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        self.resume_from = (candidate, marker)
+        return candidate
+
+    def _move_run_aside(self) -> None:
+        """resume=restart: rank 0 renames an existing run directory to RUN_DIR.replaced-TIME
+        (never deleting anything); every rank waits for it."""
+        run_dir = self.cfg.run_dir
+        if self.rank == 0 and run_dir.exists():
+            aside = run_dir.with_name(f"{run_dir.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
+            os.replace(run_dir, aside)
+            _warn(f"resume=restart: moved the previous run to {aside}; starting fresh")
+        if dist.is_initialized():
+            dist.barrier()
+
+    def check_data(self, data: dict) -> None:
+        """Refuse to continue the chosen checkpoint on other data than it was trained on (by
+        identity: fingerprint, tokenizer, vocabulary, seq_len) unless data.allow_change, and
+        refuse even then a vocabulary the model's embeddings do not fit."""
+        if self.resume_from is None:
+            return
+        tag_dir, marker = self.resume_from
+        cfg = self.cfg
+        if marker.data is None or marker.data == data:
+            return
+        changed = ", ".join(f"{k} {marker.data.get(k)!r} -> {data.get(k)!r}" for k in data
+                            if marker.data.get(k) != data.get(k))
+        if not cfg.data.allow_change:
+            raise ConfigError(f"data.path={cfg.data.path}: not the data checkpoint {tag_dir} was "
+                              f"trained on ({changed}); data.allow_change=true continues on it "
+                              "deliberately (the loader then starts from its beginning)")
+        if padded_vocab(data["vocab_size"]) != marker.model_config.get("vocab_size"):
+            raise ConfigError(f"data.path={cfg.data.path}: its vocabulary ({data['vocab_size']} "
+                              f"tokens) does not fit the model of checkpoint {tag_dir} "
+                              f"({marker.model_config.get('vocab_size')} embeddings), even with "
+                              "data.allow_change; continue on data of the same tokenizer")
+
+    # -- during the run
+
+    def due(self, step: int) -> bool:
+        """Whether the loop saves after `step` (every checkpoint.interval steps)."""
+        interval = self.cfg.checkpoint.interval
+        return bool(interval) and step % interval == 0
+
+    def has(self, step: int) -> bool:
+        return is_complete(self.ckpt_dir / tag_for(step))
+
+    def save(self, engine, step: int, client_state: dict, model_config: dict, data: dict | None) -> Path:
+        """Write checkpoint `step` on every rank (with this rank's buffers and RNG streams), then
+        record every file's size and checksum and mark it complete, point `latest` at it and
+        delete checkpoints beyond the newest `checkpoint.keep`. Collective: every rank calls it."""
+        tag_dir = self.ckpt_dir / tag_for(step)
+        if self.rank == 0 and tag_dir.exists():  # left over by a run killed while writing this step
+            shutil.rmtree(tag_dir)
+        dist.barrier()
+        engine.save_checkpoint(str(self.ckpt_dir), tag=tag_dir.name, client_state=client_state,
+                               save_latest=False)
+        rank_state = {"buffers": {name: b.detach().cpu().clone() for name, b in engine.module.named_buffers()},
+                      "rng": capture_rng()}
+        atomic_write(rank_state_file(tag_dir, self.rank), lambda tmp: torch.save(rank_state, tmp))
+        dist.barrier()
+        files = record_files(tag_dir)
+        if self.rank == 0:
+            marker = Marker(step=step, world_size=self.world_size, config=self.cfg,
+                            model_config=model_config, time=time.time(), files=files, data=data)
+            atomic_write_text(tag_dir / MARKER, marker.to_json())
+            atomic_write_text(self.ckpt_dir / LATEST, tag_dir.name)
+            _prune(self.ckpt_dir, self.cfg.checkpoint.keep)
+        return tag_dir
+
+    def load(self, engine) -> ResumeState | None:
+        """Restore the checkpoint `resume_point` chose (None for a fresh start). Collective."""
+        if self.resume_from is None:
+            return None
+        tag_dir, marker = self.resume_from
+        return self._restore(engine, tag_dir, marker, describe=True)
+
+    def reload_newest(self, engine) -> ResumeState | None:
+        """Restore the newest intact checkpoint (after repeated non-finite updates); None if there
+        is none. Collective."""
+        for tag_dir in reversed(list_checkpoints(self.ckpt_dir)):
+            if is_complete(tag_dir):
+                marker, damage = check_intact(tag_dir)
+                if not damage:
+                    return self._restore(engine, tag_dir, marker, describe=False)
+        return None
+
+    def _restore(self, engine, tag_dir: Path, marker: Marker, describe: bool) -> ResumeState:
+        universal = needs_universal(marker.world_size, marker.config.zero.stage, self.world_size,
+                                    self.cfg.zero.stage, tag_dir)
+        client_state = load_engine_state(engine, tag_dir, universal)
+        train_state = client_state["train_state"]
+        same_world = marker.world_size == self.world_size
+        self._restore_rank_state(engine, tag_dir, train_state["step"], same_world)
+        loader_state = client_state["loader"]
+        notes = self._layout_changes(marker, universal, loader_state, train_state) if describe else []
+        if describe and marker.data is not None and self.cfg.data.allow_change and loader_state is not None:
+            saved_data = marker.data
+            notes.append(f"data.allow_change: continuing on {self.cfg.data.path} (trained so far on "
+                         f"fingerprint {saved_data.get('fingerprint')}); the loader starts at its beginning")
+            loader_state = None
+        return ResumeState(tag_dir=tag_dir, train_state=train_state, loader_state=loader_state, notes=notes)
+
+    def _restore_rank_state(self, engine, tag_dir: Path, step: int, same_world: bool) -> None:
+        """This rank's buffers and random streams. Per-rank streams have no counterpart at
+        another world size, so after a world-size change every rank derives fresh ones from
+        (seed, rank, step); a rank that saved no state of its own takes rank 0's buffers (for
+        EBT: its replay rows)."""
+        own_state = read_rank_state(tag_dir, self.rank)
+        state = own_state if own_state is not None else read_rank_state(tag_dir, 0)
+        buffers = dict(engine.module.named_buffers())
+        for name, value in (state or {}).get("buffers", {}).items():
+            buffers[name].copy_(value)
+        if own_state is not None and same_world:
+            restore_rng(own_state["rng"])
+            return
+        if same_world:
+            print(f"warning: rank {self.rank}: {rank_state_file(tag_dir, self.rank)} is "
+                  "missing; its random streams restart from (seed, rank, step)", file=sys.stderr)
+        seed_process(self.cfg.seed, self.rank, step)
+
+    def _layout_changes(self, marker: Marker, universal: bool, loader_state: dict,
+                        train_state: dict) -> list[str]:
+        """One console line per change since the checkpoint was written (world size, ZeRO stage,
+        global batch), saying what happens to the state, the data and the schedule."""
+        notes = []
+        cfg, saved = self.cfg, marker.config
+        position = f"sample {loader_state['sample_in_epoch']} of epoch {loader_state['epoch']}"
+        if (marker.world_size, saved.zero.stage) != (self.world_size, cfg.zero.stage):
+            note = (f"checkpoint of {marker.world_size} process(es) with ZeRO-{saved.zero.stage} resumed "
+                    f"on {self.world_size} with ZeRO-{cfg.zero.stage}: model and optimizer state "
+                    f"{'through its universal form' if universal else 'loaded as saved'}")
+            if marker.world_size != self.world_size:
+                note += (f"; the data continues at {position} of the same order; each rank's random "
+                         "streams are derived from (seed, rank, step)")
+            notes.append(note)
+        batch, saved_batch = cfg.train.global_batch_size, saved.train.global_batch_size
+        if batch != saved_batch:
+            total = cfg.total_steps_after(train_state["step"], train_state["tokens_seen"])
+            notes.append(f"global batch changed from {saved_batch} to {batch} sequences at step "
+                         f"{train_state['step']}: the data continues at {position} of the same order "
+                         "(no sample repeated or skipped); the learning-rate schedule stays a function of "
+                         f"the step, not rescaled for the batch; the run ends at step {total}")
+        return notes
+
+
+def load_engine_state(engine, tag_dir: Path, universal: bool) -> dict:
+    """Load model and optimizer from `tag_dir`, through its universal form (made on first use)
+    if `universal`; returns the client state. Collective: every rank must call it."""
+    source = ensure_universal(tag_dir) if universal else tag_dir
+    groups = [{k: v for k, v in group.items() if k != "params"} for group in engine.optimizer.param_groups]
+    # DeepSpeed reads this switch from its config at load time; it is set per load because one
+    # engine can resume from a universal checkpoint and later reload one of its own checkpoints.
+    engine._config.load_universal_checkpoint = universal
+    load_path, client_state = engine.load_checkpoint(str(source.parent), tag=source.name,
+                                                     load_optimizer_states=True,
+                                                     load_lr_scheduler_states=False)
+    if load_path is None:
+        raise CheckpointError(f"DeepSpeed could not load checkpoint {tag_dir}")
+    if universal:
+        # DeepSpeed's ZeRO-3 universal load gives every param group the first group's settings
+        # (weight decay differs per group) and one shared step tensor, which AdamW then advances
+        # once per group: keep the groups' own settings and give each its own step.
+        for group, settings in zip(engine.optimizer.param_groups, groups, strict=True):
+            group.update(settings)
+        for state in engine.optimizer.optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
+    return client_state

@@ -11,20 +11,18 @@ every checkpoint."""
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
-import re
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-YAML11_EXPONENT = re.compile(r"[-+]?\d+(\.\d*)?[eE][-+]?\d+")
-"""Numbers such as 3e-4 that PyYAML (YAML 1.1) reads as strings; float fields accept them."""
-RESUME_MODES = ("auto", "never")
+from pretrain.typed import read_typed
+
+RESUME_MODES = ("auto", "never", "restart")
+PREPARATION_KEYS = {"data.source", "data.tokenizer", "data.val_fraction"}
+"""Overrides that ask for a dataset to be prepared from a source (see `load_config`)."""
 """`resume` is one of these or a path to a run directory / checkpoint."""
 
 
@@ -56,7 +54,9 @@ class DataSection:
     """Prepared dataset directory (manifest.json, train/, val/), relative to the working directory."""
     source: str | None = None
     """If set and `path` holds no dataset yet, prepare it from this source first (e.g.
-    "shakespeare"); None means the dataset must already exist."""
+    "shakespeare"); None means the dataset must already exist. A `data.path=DIR` override on the
+    command line without data.source/tokenizer/val_fraction overrides sets it to None: DIR's
+    prepared dataset is used as it is."""
     seq_len: int = 1024
     """Tokens per training sequence (the dataset's windows hold seq_len + 1 tokens)."""
     tokenizer: str = "gpt2"
@@ -67,6 +67,9 @@ class DataSection:
     """Sequences per forward/backward pass on one process."""
     num_workers: int = 2
     """Data loader worker processes per training process."""
+    allow_change: bool = False
+    """Resume onto a dataset other than the checkpoint's (continued pretraining on new data): the
+    loader then starts at the new data's beginning. Off: such a resume is refused."""
 
 
 @dataclass
@@ -189,8 +192,10 @@ class RunConfig:
     output_root: str = "checkpoints"
     """Directory holding run directories."""
     resume: str = "auto"
-    """"auto" (latest complete checkpoint of the run directory, if any), "never", or a path to a
-    run directory or to one checkpoint."""
+    """"auto" (the run directory's newest intact checkpoint, if any), "never" (a fresh start,
+    refused if the run directory holds checkpoints), "restart" (move an existing run directory
+    aside to RUN_DIR.replaced-TIME, never deleting it, and start fresh), or a path to a run
+    directory or to one checkpoint to start from."""
     seed: int = 1337
     """Seed of the model initialisation, the data order and each process's RNGs."""
     model: ModelSection = field(default_factory=ModelSection)
@@ -237,6 +242,8 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
     """Read `path`, apply `key.sub=value` overrides (values parsed as YAML scalars) and build the
     typed tree. Raises ConfigError naming the key and the file (or the command line)."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"--config {path} is a directory; give one of its YAML files")
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except FileNotFoundError:
@@ -246,6 +253,13 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of keys to values")
     from_command_line = set()
+    override_keys = {item.partition("=")[0].strip() for item in overrides}
+    if "data.path" in override_keys and not override_keys & PREPARATION_KEYS:
+        # a dataset named on the command line is used as it was prepared; the config's own
+        # preparation settings describe its default dataset, not this one
+        raw.setdefault("data", {})
+        if isinstance(raw["data"], dict):
+            raw["data"]["source"] = None
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key:
@@ -258,10 +272,12 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
         from_command_line.add(key.strip())
 
     def origin(key: str) -> str:
-        return "command line" if any(key == k or key.startswith(k + ".") for k in from_command_line) \
-            else str(path)
+        # a key the command line set, inside one it set, or a section only it introduced
+        by_command_line = any(key == k or key.startswith(k + ".") or k.startswith(key + ".")
+                              for k in from_command_line)
+        return "command line" if by_command_line else str(path)
 
-    cfg = _build(RunConfig, raw, "", origin)
+    cfg = read_typed(RunConfig, raw, origin, ConfigError)
     if not cfg.run_name:
         cfg.run_name = path.stem
     return cfg
@@ -279,68 +295,6 @@ def _set_dotted(tree: dict, key: str, value: Any) -> None:
     node[leaf] = value
 
 
-def _build(cls: type, raw: Any, prefix: str, origin) -> Any:
-    where = prefix.rstrip(".") or "the top level"
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{origin(where)}: {where} must be a mapping, got {raw!r}")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    for key in raw:
-        if key not in names:
-            close = difflib.get_close_matches(str(key), names, n=1)
-            hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
-            raise ConfigError(f"{origin(prefix + str(key))}: unknown key {prefix}{key}{hint}")
-    values = {}
-    for name in names:
-        if name not in raw:
-            continue
-        key = prefix + name
-        if dataclasses.is_dataclass(hints[name]):
-            values[name] = _build(hints[name], raw[name], key + ".", origin)
-        else:
-            values[name] = _check_type(raw[name], hints[name], key, origin)
-    return cls(**values)
-
-
-def _check_type(value: Any, hint: Any, key: str, origin) -> Any:
-    """`value` converted to `hint` (int -> float only), or a ConfigError naming `key`."""
-    def fail(expected: str):
-        raise ConfigError(f"{origin(key)}: {key} must be {expected}, got {value!r}")
-
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        options = typing.get_args(hint)
-        if value is None and type(None) in options:
-            return None
-        (inner,) = [t for t in options if t is not type(None)]
-        return _check_type(value, inner, key, origin)
-    if hint is Any:
-        return value
-    if hint is bool:
-        return value if isinstance(value, bool) else fail("true or false")
-    if hint is int:
-        return value if isinstance(value, int) and not isinstance(value, bool) else fail("an integer")
-    if hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str) and YAML11_EXPONENT.fullmatch(value.strip()):
-            return float(value)
-        return fail("a number")
-    if hint is str:
-        return value if isinstance(value, str) else fail("a string")
-    container = typing.get_origin(hint)
-    if container is list:
-        (item,) = typing.get_args(hint)
-        if not isinstance(value, list):
-            fail("a list")
-        return [_check_type(v, item, f"{key}[{i}]", origin) for i, v in enumerate(value)]
-    if container is dict:
-        _, item = typing.get_args(hint)
-        if not isinstance(value, dict):
-            fail("a mapping")
-        return {str(k): _check_type(v, item, f"{key}.{k}", origin) for k, v in value.items()}
-    raise TypeError(f"unsupported config type {hint} for {key}")
-
-
 def to_dict(cfg: RunConfig) -> dict:
     """The resolved config as plain data (what config.yaml and checkpoints hold)."""
     return dataclasses.asdict(cfg)
@@ -348,7 +302,7 @@ def to_dict(cfg: RunConfig) -> dict:
 
 def from_dict(raw: dict, origin: str = "checkpoint") -> RunConfig:
     """Rebuild a config written by `to_dict` (e.g. from a run directory's config.yaml)."""
-    return _build(RunConfig, raw, "", lambda key: origin)
+    return read_typed(RunConfig, raw, lambda key: origin, ConfigError)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -372,7 +326,7 @@ def validate(cfg: RunConfig, world_size: int, has_gpu: bool) -> None:
             raise ConfigError(f"{key}={get_key(cfg, key)!r}: {message}")
 
     require(cfg.resume in RESUME_MODES or Path(cfg.resume).exists(), "resume",
-            "must be 'auto', 'never' or an existing run directory or checkpoint")
+            "must be 'auto', 'never', 'restart' or an existing run directory or checkpoint")
     require("/" not in cfg.run_name and cfg.run_name not in ("", ".", ".."), "run_name",
             "must be a plain directory name")
     require(bool(cfg.data.path), "data.path", "is required (a prepared dataset directory)")
@@ -450,12 +404,17 @@ def get_key(node: RunConfig | dict, key: str) -> Any:
     return node
 
 
+def padded_vocab(dataset_vocab_size: int) -> int:
+    """The model's embedding rows for a dataset vocabulary: a multiple of 64 for fast matmuls."""
+    return -(-dataset_vocab_size // 64) * 64
+
+
 def model_config(cfg: RunConfig, dataset_vocab_size: int) -> Any:
     """The model's config: the flavor with `model.overrides`, the dataset's vocabulary (padded
     up to a multiple of 64 for fast matmuls) and `data.seq_len` as context unless overridden."""
     from pretrain.models import resolve
 
-    overrides = {"vocab_size": -(-dataset_vocab_size // 64) * 64, "block_size": cfg.data.seq_len}
+    overrides = {"vocab_size": padded_vocab(dataset_vocab_size), "block_size": cfg.data.seq_len}
     if cfg.model.activation_checkpointing is not None:
         overrides["activation_checkpointing"] = cfg.model.activation_checkpointing
     overrides.update(cfg.model.overrides)

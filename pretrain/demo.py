@@ -132,8 +132,14 @@ def main() -> int:
         train(run)
     print(f"\n=== summary (demo took {(time.perf_counter() - start) / 60:.1f} min) ===")
     print(summary_table(RUNS))
-    print(f"\nTraining curves: tensorboard --logdir {OUTPUT_ROOT} --host 127.0.0.1 --port 6006")
+    print(f"\nTraining curves: {tensorboard_command()} --logdir {OUTPUT_ROOT} --host 127.0.0.1 --port 6006")
     return 0
+
+
+def tensorboard_command() -> str:
+    """TensorBoard as this interpreter's environment has it (its bin/ is rarely on PATH)."""
+    script = Path(sys.executable).parent / "tensorboard"
+    return str(script) if script.is_file() else f"{sys.executable} -m tensorboard.main"
 
 
 if __name__ == "__main__":

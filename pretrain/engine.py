@@ -2,10 +2,13 @@
 and `deepspeed.initialize` with the model, its optimizer parameter groups and ZeRO-3 leaves."""
 from __future__ import annotations
 
+import hashlib
 import os
+import random
 import socket
 import sys
 
+import numpy as np
 import torch
 
 from pretrain.config import ConfigError, RunConfig, gradient_accumulation_steps
@@ -40,6 +43,20 @@ def distributed_env() -> tuple[int, int, int]:
             s.bind(("127.0.0.1", 0))
             env["MASTER_PORT"] = str(s.getsockname()[1])
     return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"])
+
+
+def seed_process(seed: int, rank: int, step: int = 0) -> None:
+    """Seed this process's random streams (python, numpy, torch; e.g. EBT's candidate noise):
+    seed + 1000 x rank at the start; a rank resuming at `step` without streams of its own to
+    restore (the checkpoint was saved at another world size) derives them from (seed, rank, step)."""
+    if step == 0:
+        process_seed = seed + 1000 * rank
+    else:
+        digest = hashlib.blake2b(f"{seed}/{rank}/{step}".encode(), digest_size=4)
+        process_seed = int.from_bytes(digest.digest(), "little")  # < 2**32, as numpy requires
+    random.seed(process_seed)
+    np.random.seed(process_seed)
+    torch.manual_seed(process_seed)
 
 
 def _slurm_tasks_on_this_node(env) -> int:

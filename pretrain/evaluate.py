@@ -16,6 +16,10 @@ import torch.distributed as dist
 from pretrain.config import EvalSection
 
 
+PROMPT_END = " \u27e8generated\u27e9 "
+"""Marks where the logged sample's prompt (from the val data) ends and the model's text begins."""
+
+
 @dataclass
 class EvalResult:
     loss: float
@@ -23,7 +27,7 @@ class EvalResult:
     think_losses: list[float] | None
     """EBT: val loss after 1, 2, ..., think_steps inference steps; None for other families."""
     sample: str | None
-    """Prompt + generated continuation (rank 0's view; identical on every rank)."""
+    """Prompt, PROMPT_END, generated continuation (rank 0's view; identical on every rank)."""
 
     def scalars(self) -> dict[str, float]:
         values = {"eval/loss": self.loss, "eval/ppl": math.exp(min(self.loss, 50.0))}
@@ -77,7 +81,8 @@ def evaluate(engine, val_loader, settings: EvalSection, device: torch.device, se
                 dist.broadcast(prompt, src=0)  # one prompt, so every rank makes the same calls
                 ids = model.generate(prompt, settings.sample_tokens,
                                      temperature=settings.sample_temperature)
-                sample = decode(ids[0].tolist())
+                sample = (decode(prompt[0].tolist()) + PROMPT_END
+                          + decode(ids[0, prompt.size(1):].tolist()))
     finally:
         engine.train()
     return EvalResult(loss=means[0], think_losses=means[1:] or None, sample=sample)

@@ -1,17 +1,93 @@
-"""Telemetry of a run: TensorBoard event files under `RUN_DIR/tb/`, one compact console line
-per log interval, and a progress bar with ETA. Only rank 0 writes; on other ranks every method
-is a no-op, so the training loop calls them unconditionally."""
+"""Telemetry of a run: what a step reports (`StepResult`), throughput accounting (`Throughput`:
+tokens/s, TFLOP/s, MFU, data wait, memory), TensorBoard event files under `RUN_DIR/tb/`, one
+compact console line per log interval, and a progress bar with ETA. Only rank 0 writes; on
+other ranks every `Metrics` method is a no-op, so the training loop calls them unconditionally."""
 from __future__ import annotations
 
 import math
+import resource
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import hparams as hparams_summary
 from tqdm import tqdm
+
+from pretrain.flops import achieved_tflops, mfu
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step reports to the loop."""
+
+    loss: float
+    """Mean training loss over every rank's micro-batches (non-finite ones counted as 0)."""
+    nonfinite: bool
+    """The update was skipped: a loss or the gradient norm was not finite on some rank."""
+    lr: float
+    """Base learning rate of the step."""
+    lrs: dict[str, float]
+    """Learning rate per parameter group that differs from the base (name -> LR)."""
+    grad_norm: float | None
+    """Global gradient norm before clipping (None when the update was skipped)."""
+    diagnostics: dict[str, float]
+    """The model's diagnostic scalars (filled on log steps, rank 0)."""
+    stop: bool
+    """Some rank was asked to stop (preemption signal or Ctrl-C): save and exit."""
+    time_s: float
+    """Wall time of the step."""
+    data_wait_s: float
+    """Part of `time_s` spent waiting for batches."""
+    tokens: int
+    """Training tokens of the step, all ranks."""
+
+
+class Throughput:
+    """Step times, tokens and data wait accumulated over the current log interval and over the
+    process's session, turned into tokens/s, TFLOP/s, MFU and memory figures."""
+
+    def __init__(self, flops_per_token: float, world_size: int, peak_tflops: float | None, on_gpu: bool):
+        self.flops_per_token, self.world_size = flops_per_token, world_size
+        self.peak_tflops, self.on_gpu = peak_tflops, on_gpu
+        self.session_time_s = 0.0
+        self.session_tokens = 0
+        self.reset_interval()
+
+    def reset_interval(self) -> None:
+        self.steps, self.time_s, self.tokens, self.data_wait_s = 0, 0.0, 0, 0.0
+
+    def add(self, result: StepResult) -> None:
+        self.steps += 1
+        self.time_s += result.time_s
+        self.tokens += result.tokens
+        self.data_wait_s += result.data_wait_s
+        self.session_time_s += result.time_s
+        self.session_tokens += result.tokens
+
+    def figures(self) -> dict[str, float]:
+        """The current interval's averages as `train/...` scalars (benchmarks read them too)."""
+        tokens_per_s = self.tokens / self.time_s
+        figures = {"train/tokens_per_s": tokens_per_s,
+                   "train/step_time_s": self.time_s / self.steps,
+                   "train/data_wait_frac": self.data_wait_s / self.time_s,
+                   "train/tflops": achieved_tflops(self.flops_per_token, tokens_per_s),
+                   "train/peak_mem_gb": peak_memory_gb(self.on_gpu)}
+        if self.peak_tflops:
+            figures["train/mfu"] = mfu(self.flops_per_token, tokens_per_s, self.world_size, self.peak_tflops)
+        return figures
+
+    def session_tokens_per_s(self) -> float:
+        return self.session_tokens / max(self.session_time_s, 1e-9)
+
+
+def peak_memory_gb(on_gpu: bool) -> float:
+    """Peak GPU memory allocated, or on CPU the process's peak resident set."""
+    if on_gpu:
+        return torch.cuda.max_memory_allocated() / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # kilobytes on Linux
 
 
 def flatten(tree: dict, prefix: str = "") -> dict:
@@ -25,19 +101,22 @@ def flatten(tree: dict, prefix: str = "") -> dict:
     return flat
 
 
-def diagnostic_scalars(diagnostics: dict[str, torch.Tensor]) -> dict[str, float]:
-    """A model's diagnostics as TensorBoard scalars: 0-d tensors as `model/<key>`, 1-d tensors as
-    one tag per recurrent/descent step `model/<key>/step_03`. Keys starting with "_" hold bulky
-    per-token data and are skipped."""
+def diagnostic_scalars(diagnostics: dict[str, torch.Tensor], family: str) -> dict[str, float]:
+    """A model's diagnostics as TensorBoard scalars: 0-d tensors as `model/<family>/<key>`, 1-d
+    tensors as one tag per recurrent/descent step `model/<family>/<key>/step_03`. The family is
+    in the tag because the same name means different things (NRGPT's energy is the recurrent
+    block's, EBT's the candidate prediction's): runs of several families compared in one
+    TensorBoard keep them in separate charts. Keys starting with "_" hold bulky per-token data
+    and are skipped."""
     scalars = {}
     for key, value in diagnostics.items():
         if key.startswith("_"):
             continue
         value = value.detach().float().cpu()
         if value.ndim == 0:
-            scalars[f"model/{key}"] = value.item()
+            scalars[f"model/{family}/{key}"] = value.item()
         elif value.ndim == 1:
-            scalars.update({f"model/{key}/step_{i:02d}": v for i, v in enumerate(value.tolist())})
+            scalars.update({f"model/{family}/{key}/step_{i:02d}": v for i, v in enumerate(value.tolist())})
     return scalars
 
 
@@ -78,6 +157,21 @@ class Metrics:
         done = step - self.start_step
         elapsed = time.perf_counter() - self.start_time
         return elapsed / done * (self.total_steps - step) if done > 0 else math.nan
+
+    def log_step(self, step: int, result: StepResult, throughput: Throughput, tokens_seen: int,
+                 skipped_steps: int) -> None:
+        """TensorBoard scalars and the console line of the step just taken; throughput figures
+        are averages over the steps since the previous log point (whose interval this ends)."""
+        values = {"train/lr": result.lr, **{"train/lr/" + name: lr for name, lr in result.lrs.items()}}
+        if not result.nonfinite:
+            values["train/loss"] = result.loss
+        if result.grad_norm is not None:
+            values["train/grad_norm"] = result.grad_norm
+        values.update({"train/tokens_seen": tokens_seen, **throughput.figures(),
+                       "train/skipped_steps": skipped_steps, **result.diagnostics})
+        throughput.reset_interval()
+        self.scalars(step, values)
+        self.console(step, values)
 
     def console(self, step: int, values: dict[str, float]) -> None:
         """One compact line: step, loss, LR, grad norm, throughput, step time, data wait, ETA."""

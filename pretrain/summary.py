@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from pretrain.fileio import atomic_write_text
+from pretrain.typed import read_typed
 
 SUMMARY_FILE = "summary.json"
 
@@ -51,19 +52,12 @@ class RunRecord:
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "summary") -> RunRecord:
         """Validate and convert a parsed summary; a missing key or wrong type is a ValueError
-        naming the key and `source`."""
+        naming the key and `source`; keys beyond the fields go into `extra` as read."""
         if not isinstance(data, dict):
             raise ValueError(f"{source}: expected a JSON object, got {type(data).__name__}")
-        values: dict[str, Any] = {}
-        for f in dataclasses.fields(cls):
-            if f.name == "extra":
-                continue
-            if f.name not in data:
-                raise ValueError(f"{source}: missing key {f.name!r}")
-            values[f.name] = _check_type(f.name, data[f.name], f.type, source)
-        known = {f.name for f in dataclasses.fields(cls)}
-        values["extra"] = {k: v for k, v in data.items() if k not in known}
-        return cls(**values)
+        known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        record = read_typed(cls, {k: v for k, v in data.items() if k in known}, lambda key: source)
+        return dataclasses.replace(record, extra={k: v for k, v in data.items() if k not in known})
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -74,19 +68,3 @@ class RunRecord:
         """Write `run_dir/summary.json` atomically (a reader never sees half a file)."""
         return atomic_write_text(Path(run_dir) / SUMMARY_FILE,
                                  json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
-
-
-def _check_type(name: str, value: Any, annotation: str, source: str) -> Any:
-    optional = annotation.endswith("| None")
-    base = annotation.removesuffix("| None").strip()
-    if value is None and optional:
-        return None
-    # bool is an int subclass in Python; a boolean loss or count is a corrupt record.
-    ok = {
-        "str": isinstance(value, str),
-        "int": isinstance(value, int) and not isinstance(value, bool),
-        "float": isinstance(value, (int, float)) and not isinstance(value, bool),
-    }[base]
-    if not ok:
-        raise ValueError(f"{source}: key {name!r} should be {annotation}, got {value!r}")
-    return float(value) if base == "float" else value

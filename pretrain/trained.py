@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from pretrain import checkpoint
+from pretrain.config import to_dict
 from pretrain.models import build, family_name, resolve
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -59,7 +60,7 @@ class TrainedModel:
 
 def consolidated_state_dict(tag_dir: Path) -> dict[str, torch.Tensor]:
     """The full fp32 weights (and buffers) of one checkpoint."""
-    if checkpoint.read_marker(tag_dir)["config"]["zero"]["stage"] == 0:
+    if checkpoint.Marker.read(tag_dir).config.zero.stage == 0:
         # without ZeRO every rank holds the whole model; the model-states file has it
         module = torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu",
                             weights_only=False)["module"]
@@ -110,9 +111,9 @@ def load_trained(source: str | Path, device: str | torch.device = "cpu", dtype: 
         state, step = load_file(str(path)), int(metadata.get("step", 0))
     else:
         path = find_trained_checkpoint(source)
-        marker = checkpoint.read_marker(path)
-        run_config, raw_model_config = marker["config"], marker["model_config"]
-        flavor, step = run_config["model"]["flavor"], marker["step"]
+        marker = checkpoint.Marker.read(path)
+        run_config, raw_model_config = to_dict(marker.config), marker.model_config
+        flavor, step = marker.config.model.flavor, marker.step
         state = consolidated_state_dict(path)
     model_cfg = resolve(flavor, raw_model_config)
     model = build(model_cfg)

@@ -34,7 +34,7 @@ def main() -> None:
         initial = torch.cat([p.detach().flatten() for p in trainer.engine.module.parameters()])
         losses = []
         for _ in range(STEPS):
-            losses.append(trainer.train_step(log_now=False)["loss"])
+            losses.append(trainer.train_step(log_now=False).loss)
             trainer.state.step += 1
         params = torch.cat([p.detach().flatten() for p in trainer.engine.module.parameters()])
         print(json.dumps({"variant": name, "losses": losses, "params": params.tolist(),

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pretrain import checkpoint
+from pretrain.fileio import atomic_write
 
 
 def make(ckpt_dir, step, complete=True):
@@ -70,10 +71,10 @@ def test_atomic_write_never_shows_a_partial_file(tmp_path):
         raise OSError("disk full")
 
     with pytest.raises(OSError):
-        checkpoint.atomic_write(target, failing)
+        atomic_write(target, failing)
     assert target.read_text() == "step_00000004"
     assert [p.name for p in tmp_path.iterdir()] == ["latest"]  # no temporary file left over
-    checkpoint.atomic_write(target, lambda tmp: tmp.write_text("step_00000008"))
+    atomic_write(target, lambda tmp: tmp.write_text("step_00000008"))
     assert target.read_text() == "step_00000008"
 
 

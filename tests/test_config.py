@@ -114,7 +114,7 @@ def test_missing_and_malformed_files(tmp_path):
     (["schedule.min_lr=1.0"], 1, False, "schedule.min_lr=1.0: must not exceed optimizer.lr"),
     (["optimizer.betas=[0.9]"], 1, False, "optimizer.betas=[0.9]: must be two numbers"),
     (["train.precision=fp8"], 1, False, "train.precision='fp8'"),
-    (["resume=no/such/run"], 1, False, "resume='no/such/run': must be 'auto', 'never' or an existing"),
+    (["resume=no/such/run"], 1, False, "resume='no/such/run': must be 'auto', 'never', 'restart' or an existing"),
     (["run_name=a/b"], 1, False, "run_name='a/b': must be a plain directory name"),
     (["model.flavor=gpt-huge"], 1, False, "model: unknown model flavor 'gpt-huge'"),
     (["model.overrides={n_layerz: 3}"], 1, False, "model: model override 'n_layerz' is not a field"),

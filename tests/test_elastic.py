@@ -192,14 +192,11 @@ def test_which_checkpoints_go_through_the_universal_form(tmp_path, saved, now, e
     from pretrain import checkpoint
 
     tag_dir = tmp_path / "step_00000004"
-    tag_dir.mkdir()
-    (tag_dir / checkpoint.MARKER).write_text(json.dumps(
-        {"world_size": saved[0], "config": {"zero": {"stage": saved[1]}}}))
     if isinstance(expected, str):
         with pytest.raises(ValueError, match=expected):
-            checkpoint.needs_universal(tag_dir, *now)
+            checkpoint.needs_universal(*saved, *now, tag_dir)
     else:
-        assert checkpoint.needs_universal(tag_dir, *now) is expected
+        assert checkpoint.needs_universal(*saved, *now, tag_dir) is expected
 
 
 # --- two "nodes" on one machine, preempted through torchrun --------------------------------

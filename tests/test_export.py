@@ -43,19 +43,19 @@ def test_export_of_zero2_run_has_the_trained_weights(matrix, family, tmp_path):
 
     # the reference: the module weights DeepSpeed saved (ZeRO-2 keeps them whole on rank 0),
     # loaded into the model the run's own config describes
-    marker = checkpoint.read_marker(tag_dir)
-    reference = build(resolve(marker["config"]["model"]["flavor"], marker["model_config"]))
+    marker = checkpoint.Marker.read(tag_dir)
+    reference = build(resolve(marker.config.model.flavor, marker.model_config))
     saved = torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
     reference.load_state_dict(saved, strict=True)
 
-    exported = build(resolve(marker["config"]["model"]["flavor"], marker["model_config"]))
+    exported = build(resolve(marker.config.model.flavor, marker.model_config))
     exported.load_state_dict(load_file(str(out)), strict=True)  # every key, nothing extra
     assert all(t.dtype == torch.float32 for t in load_file(str(out)).values() if t.is_floating_point())
     idx = torch.randint(0, reference.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     assert torch.equal(logits(exported, idx), logits(reference, idx))
     assert torch.equal(logits(export.load(out), idx), logits(reference, idx))
     # and they are trained weights, not the initialisation
-    initial = build(resolve(marker["config"]["model"]["flavor"], marker["model_config"]))
+    initial = build(resolve(marker.config.model.flavor, marker.model_config))
     assert not torch.allclose(logits(initial, idx), logits(reference, idx))
 
 

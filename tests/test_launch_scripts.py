@@ -38,10 +38,12 @@ FAKE_SCANCEL = r"""#!/usr/bin/env bash
 echo "$*" >> "$RECORD_DIR/scancel"
 for f in "$RECORD_DIR"/pid.*; do kill -USR1 "$(cat "$f")"; done
 """
-# The interpreter torchrun.sh calls: record the command line; in "wait" mode behave like a
-# trainer that checkpoints on SIGUSR1 and exits with the requeue code.
+# The interpreter torchrun.sh calls: record the command line; pass the one-process check before
+# the launch; in "wait" mode behave like a trainer that checkpoints on SIGUSR1 and exits with the
+# requeue code.
 FAKE_PYTHON = r"""#!/usr/bin/env bash
 echo "NODE_RANK=${NODE_RANK:-} $*" >> "$RECORD_DIR/calls"
+case " $* " in *" --check "*) exit 0 ;; esac
 if [ "${FAKE_MODE:-}" = wait ]; then
   trap 'echo saved >> "$RECORD_DIR/saved.$NODE_RANK"; exit 75' USR1
   echo $$ > "$RECORD_DIR/pid.$NODE_RANK"
@@ -86,12 +88,13 @@ def test_sbatch_builds_one_torchrun_per_node(slurm_env):
     assert result.returncode == 0, result.stderr
     calls = sorted((record / "calls").read_text().splitlines())
     config = str(REPO / "configs/tiny/gpt.yaml")
-    expected = [
-        f"NODE_RANK={rank} -m torch.distributed.run --nproc_per_node=4 {TORCHRUN_SIGNALS} "
+    expected = sorted([
+        f"NODE_RANK={rank} -m pretrain.torchrun --nproc_per_node=4 {TORCHRUN_SIGNALS} "
         f"--shutdown-timeout=240 --nnodes=2 --node_rank={rank} --master_addr=gpu-a17 "
         f"--master_port=24242 -m pretrain.train --config {config} train.max_steps=7"
         for rank in (0, 1)
-    ]
+    ] + [f"NODE_RANK={rank} -m pretrain.train --check --world-size 8 --config {config} train.max_steps=7"
+         for rank in (0, 1)])
     assert calls == expected
     assert not (record / "requeued").exists()
 
@@ -116,7 +119,7 @@ def test_sbatch_job_array_picks_its_line(slurm_env, tmp_path):
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     calls = (record / "calls").read_text().splitlines()
-    assert len(calls) == 2
+    assert len(calls) == 4  # per node: the check, then the launch
     assert all(c.endswith(f"--config {REPO / 'configs/tiny/nrgpt.yaml'} seed=2") for c in calls)
 
 
@@ -152,12 +155,16 @@ def test_torchrun_script_static_and_c10d(tmp_path):
                                 cwd=REPO, env={**base, **extra}, capture_output=True, text=True)
         assert result.returncode == 0, result.stderr
     calls = (tmp_path / "calls").read_text().splitlines()
-    tail = f"-m pretrain.train --config {REPO / 'configs/tiny/gpt.yaml'} seed=3"
-    head = f"-m torch.distributed.run --nproc_per_node={{}} {TORCHRUN_SIGNALS} --shutdown-timeout=300"
-    assert calls[0] == f"NODE_RANK= {head.format(2)} --standalone {tail}"
-    assert calls[1] == (f"NODE_RANK=1 {head.format(8)} --nnodes=2 --node_rank=1 "
+    config = REPO / "configs/tiny/gpt.yaml"
+    tail = f"-m pretrain.train --config {config} seed=3"
+    head = f"-m pretrain.torchrun --nproc_per_node={{}} {TORCHRUN_SIGNALS} --shutdown-timeout=300"
+    # each launch checks once, in one process, for the whole world size, before torchrun starts
+    assert calls[0::2] == [f"NODE_RANK={node} -m pretrain.train --check --world-size {world} --config {config} seed=3"
+                           for node, world in (("", 2), ("1", 16), ("", 24))]
+    assert calls[1] == f"NODE_RANK= {head.format(2)} --standalone {tail}"
+    assert calls[3] == (f"NODE_RANK=1 {head.format(8)} --nnodes=2 --node_rank=1 "
                         f"--master_addr=10.0.0.5 --master_port=29500 {tail}")
-    assert calls[2] == (f"NODE_RANK= {head.format(8)} --nnodes=3 "
+    assert calls[5] == (f"NODE_RANK= {head.format(8)} --nnodes=3 "
                         f"--rdzv_backend=c10d --rdzv_endpoint=head:29400 --rdzv_id=job7 {tail}")
 
 

@@ -72,9 +72,9 @@ EXPECTED_SCALARS = {
 }
 FAMILY_SCALARS = {
     "gpt": set(),
-    "nrgpt": {"model/s_ff", "model/eta_scale"} | {f"model/energy/step_{i:02d}" for i in range(3)},
-    "ebt": {"model/alpha", "model/loss_first_step", "model/loss_last_step", "train/lr/descent.alpha"}
-    | {f"model/energy/step_{i:02d}" for i in range(2)} | {f"eval/think_loss/step_{k:02d}" for k in (1, 2, 3)},
+    "nrgpt": {"model/nrgpt/s_ff", "model/nrgpt/eta_scale"} | {f"model/nrgpt/energy/step_{i:02d}" for i in range(3)},
+    "ebt": {"model/ebt/alpha", "model/ebt/loss_first_step", "model/ebt/loss_last_step", "train/lr/descent.alpha"}
+    | {f"model/ebt/energy/step_{i:02d}" for i in range(2)} | {f"eval/think_loss/step_{k:02d}" for k in (1, 2, 3)},
 }
 
 

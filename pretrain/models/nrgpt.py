@@ -404,7 +404,7 @@ register_family("nrgpt", NRGPTConfig, NRGPT)
 
 # The released OWT model (90.5M) and the same structure at ~125.6M.
 register_flavor("nrgpt-ff2w-90m", NRGPTConfig())
-register_flavor("nrgpt-ff2w-128m", NRGPTConfig(n_embd=1020))
+register_flavor("nrgpt-ff2w-126m", NRGPTConfig(n_embd=1020))
 register_flavor("nrgpt-tiny", NRGPTConfig(vocab_size=512, block_size=64, n_embd=32, n_head=2, n_steps=3))
 # Scaling sweep sizes at the widths of gpt-mini / gpt-small.
 register_flavor("nrgpt-mini", NRGPTConfig(vocab_size=512, block_size=256, n_embd=64, n_head=4, n_steps=4))

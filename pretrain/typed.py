@@ -1,0 +1,82 @@
+"""The one typed reader: parsed YAML/JSON checked against dataclass annotations.
+
+    cfg = read_typed(RunConfig, raw, origin=lambda key: "run.yaml", error=ConfigError)
+
+Run configs, sweep files and run summaries all read through here, so a mistake reads the same
+everywhere: one line naming where the value came from and the dotted key, e.g.
+`run.yaml: train.max_steps must be an integer, got 'ten'`."""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import types
+import typing
+from typing import Any, Callable
+
+YAML11_EXPONENT = re.compile(r"[-+]?\d+(\.\d*)?[eE][-+]?\d+")
+"""Numbers such as 3e-4 that PyYAML (YAML 1.1) reads as strings; float fields accept them."""
+
+
+def read_typed(tp: Any, value: Any, origin: Callable[[str], str], error: type[Exception] = ValueError,
+               key: str = "") -> Any:
+    """`value` converted to the annotation `tp` (dataclasses built from mappings, missing fields
+    taking their defaults; int -> float is the only conversion), or `error` raised with one line
+    `"{origin(key)}: ..."`. `origin(key)` says where the value at dotted `key` came from."""
+    def fail(expected: str):
+        raise error(f"{origin(key)}: {key or 'the top level'} must be {expected}, got {value!r}")
+
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        options = typing.get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        (inner,) = [t for t in options if t is not type(None)]
+        return read_typed(inner, value, origin, error, key)
+    if dataclasses.is_dataclass(tp):
+        return _read_dataclass(tp, value, origin, error, key)
+    if tp is Any:
+        return value
+    if tp is bool:
+        return value if isinstance(value, bool) else fail("true or false")
+    if tp is int:
+        return value if isinstance(value, int) and not isinstance(value, bool) else fail("an integer")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str) and YAML11_EXPONENT.fullmatch(value.strip()):
+            return float(value)
+        return fail("a number")
+    if tp is str:
+        return value if isinstance(value, str) else fail("a string")
+    container = typing.get_origin(tp)
+    if container is list:
+        (item,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            fail("a list")
+        return [read_typed(item, v, origin, error, f"{key}[{i}]") for i, v in enumerate(value)]
+    if container is dict:
+        _, item = typing.get_args(tp)
+        if not isinstance(value, dict):
+            fail("a mapping")
+        return {str(k): read_typed(item, v, origin, error, f"{key}.{k}" if key else str(k))
+                for k, v in value.items()}
+    raise TypeError(f"unsupported annotation {tp} for {key}")
+
+
+def _read_dataclass(cls: type, raw: Any, origin, error, key: str) -> Any:
+    where = key or "the top level"
+    if not isinstance(raw, dict):
+        raise error(f"{origin(where)}: {where} must be a mapping, got {raw!r}")
+    prefix = f"{key}." if key else ""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for name in raw:
+        if name not in fields:
+            close = difflib.get_close_matches(str(name), list(fields), n=1)
+            hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
+            raise error(f"{origin(prefix + str(name))}: unknown key {prefix}{name}{hint}")
+    for name, f in fields.items():
+        if name not in raw and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise error(f"{origin(prefix + name)}: missing key {prefix}{name}")
+    return cls(**{name: read_typed(hints[name], value, origin, error, prefix + name)
+                  for name, value in raw.items()})

@@ -1,0 +1,244 @@
+"""Failures end in one clear line and lose no work: damaged checkpoints are detected and skipped,
+a resume onto other data is refused (or allowed deliberately), Ctrl-C saves, resume=restart
+moves a run aside, and bad launches under launch/torchrun.sh fail in one line with the
+trainer's exit code. Real runs of the trainer (one process unless the launcher is the point)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+import trainer_runs as runs
+from pretrain import checkpoint
+from pretrain.train import EXIT_PREEMPTED
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+SOURCE_STEPS = 8
+"""The source run's length: complete checkpoints at steps 4 and 8."""
+ONE_PROCESS = ["model.flavor=gpt-tiny", "zero.stage=1", f"train.max_steps={SOURCE_STEPS}"]
+
+
+def train(tmp_path: Path, name: str, *extra: str, nproc: int = 1, timeout: float = 300):
+    overrides = [*ONE_PROCESS, f"output_root={tmp_path}", f"run_name={name}", *extra]
+    return subprocess.run(runs.train_command(overrides, nproc), cwd=runs.REPO, env=runs.child_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def one_error_line(stderr: str) -> str:
+    """The stderr of a failed command: no traceback, and its last line is the one error line."""
+    assert "Traceback" not in stderr, stderr[-3000:]
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert lines and lines[-1].startswith("error: "), stderr[-3000:]
+    assert sum(line.startswith("error: ") for line in lines) == 1, stderr[-3000:]
+    return lines[-1]
+
+
+@pytest.fixture(scope="module")
+def source_run(tmp_path_factory) -> Path:
+    """A finished one-process run with complete checkpoints at steps 4 and 8."""
+    root = tmp_path_factory.mktemp("failures")
+    result = train(root, "source")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return root / "source"
+
+
+def copy_run(source_run: Path, tmp_path: Path, name: str) -> Path:
+    run_dir = tmp_path / name
+    shutil.copytree(source_run, run_dir)
+    return run_dir
+
+
+def tag(run_dir: Path, step: int) -> Path:
+    return run_dir / "ckpt" / checkpoint.tag_for(step)
+
+
+def truncate_optimizer_shard(tag_dir: Path) -> Path:
+    shard = next(tag_dir.glob("zero_pp_rank_0_*optim_states.pt"))
+    with open(shard, "r+b") as f:
+        f.truncate(1000)
+    return shard
+
+
+def garble_marker(tag_dir: Path) -> Path:
+    (tag_dir / checkpoint.MARKER).write_text("{garbage")
+    return tag_dir / checkpoint.MARKER
+
+
+def empty_model_states(tag_dir: Path) -> Path:
+    path = tag_dir / "mp_rank_00_model_states.pt"
+    path.write_bytes(b"")
+    return path
+
+
+def flip_a_byte(tag_dir: Path) -> Path:
+    """Damage that keeps the size: only the checksum can tell."""
+    shard = next(tag_dir.glob("zero_pp_rank_0_*optim_states.pt"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    return shard
+
+
+def test_the_marker_records_every_file_with_size_and_checksum(source_run):
+    marker = checkpoint.Marker.read(tag(source_run, SOURCE_STEPS))
+    files = checkpoint.checkpoint_files(tag(source_run, SOURCE_STEPS))
+    assert sorted(marker.files) == files and "mp_rank_00_model_states.pt" in files
+    assert all(size == (tag(source_run, SOURCE_STEPS) / rel).stat().st_size for rel, (size, _) in marker.files.items())
+    assert marker.data["tokenizer"] == "char" and marker.data["seq_len"] == 32
+    assert checkpoint.damaged_files(tag(source_run, SOURCE_STEPS), marker) == []
+
+
+@pytest.mark.parametrize("damage", [truncate_optimizer_shard, garble_marker, empty_model_states, flip_a_byte])
+def test_a_damaged_newest_checkpoint_is_skipped_for_the_newest_intact_one(source_run, tmp_path, damage):
+    run_dir = copy_run(source_run, tmp_path, "damaged")
+    (run_dir / "summary.json").unlink()
+    damaged = damage(tag(run_dir, SOURCE_STEPS))
+    result = train(tmp_path, "damaged")
+    assert result.returncode == 0, result.stderr[-3000:]
+    warning = next(line for line in result.stderr.splitlines() if "damaged checkpoint skipped" in line)
+    assert str(damaged) in warning and warning.endswith(f"resuming from {tag(run_dir, 4)}")
+    assert "resuming at step 4" in result.stdout and "Traceback" not in result.stderr
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == SOURCE_STEPS
+
+
+def test_every_checkpoint_damaged_is_one_line_naming_each_file(source_run, tmp_path):
+    run_dir = copy_run(source_run, tmp_path, "ruined")
+    shard = truncate_optimizer_shard(tag(run_dir, SOURCE_STEPS))
+    states = empty_model_states(tag(run_dir, 4))
+    result = train(tmp_path, "ruined", f"train.max_steps={SOURCE_STEPS + 4}")
+    assert result.returncode == 1
+    line = one_error_line(result.stderr)
+    assert "every one is damaged" in line and str(shard) in line and str(states) in line
+    assert "1000 bytes" in line
+
+
+def test_an_explicit_damaged_checkpoint_is_refused(source_run, tmp_path):
+    run_dir = copy_run(source_run, tmp_path, "explicit")
+    flip_a_byte(tag(run_dir, 4))
+    result = train(tmp_path, "fresh", f"resume={tag(run_dir, 4)}")
+    assert result.returncode == 1
+    assert "checksum mismatch" in one_error_line(result.stderr)
+    assert not (tmp_path / "fresh").exists()  # nothing created
+
+
+def test_resume_onto_other_data_is_refused_unless_allowed(source_run, tmp_path):
+    from data_pipeline.prepare import prepare
+
+    other = tmp_path / "other-data"  # same tokenizer and seq_len, other documents
+    prepare("shakespeare", str(other), seq_len=32, val_fraction=0.05, tokenizer="char", max_docs=60, num_proc=1)
+    run_dir = copy_run(source_run, tmp_path, "moved")
+    longer = f"train.max_steps={SOURCE_STEPS + 4}"
+    refused = train(tmp_path, "moved", longer, f"data.path={other}")
+    assert refused.returncode == 2
+    line = one_error_line(refused.stderr)
+    assert "not the data checkpoint" in line and "fingerprint" in line and "data.allow_change=true" in line
+
+    allowed = train(tmp_path, "moved", longer, f"data.path={other}", "data.allow_change=true")
+    assert allowed.returncode == 0, allowed.stderr[-3000:]
+    assert "data.allow_change: continuing on" in allowed.stdout
+    assert "the loader starts at its beginning" in allowed.stdout
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == SOURCE_STEPS + 4
+
+
+def test_resume_onto_another_vocabulary_is_refused_even_when_allowed(source_run, tmp_path):
+    from data_pipeline.prepare import prepare
+
+    bpe = tmp_path / "bpe-data"
+    prepare("shakespeare", str(bpe), seq_len=32, val_fraction=0.2, tokenizer="gpt2", max_docs=40, num_proc=1)
+    copy_run(source_run, tmp_path, "vocab")
+    result = train(tmp_path, "vocab", f"train.max_steps={SOURCE_STEPS + 4}", f"data.path={bpe}",
+                   "data.allow_change=true")
+    assert result.returncode == 2
+    assert "does not fit the model" in one_error_line(result.stderr)
+
+
+def test_resume_restart_moves_the_run_aside_and_starts_fresh(source_run, tmp_path):
+    run_dir = copy_run(source_run, tmp_path, "again")
+    never = train(tmp_path, "again", "resume=never")
+    assert never.returncode == 2 and "resume=restart moves it aside" in one_error_line(never.stderr)
+    result = train(tmp_path, "again", "resume=restart", "train.max_steps=4")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "fresh start" in result.stdout
+    (aside,) = tmp_path.glob("again.replaced-*")
+    assert checkpoint.is_complete(tag(aside, SOURCE_STEPS))  # nothing of the old run deleted
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 4
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("launcher", ["python", "torchrun.sh"])
+def test_ctrl_c_saves_a_checkpoint_and_exits_with_the_requeue_code(tmp_path, launcher):
+    overrides = [*ONE_PROCESS[:2], "train.max_steps=100000", "checkpoint.interval=4",
+                 f"output_root={tmp_path}", "run_name=interrupted"]
+    if launcher == "python":
+        command, env = runs.train_command(overrides, nproc=1), runs.child_env()
+    else:
+        command = ["bash", "launch/torchrun.sh", str(runs.base_config_file()), *overrides]
+        env = runs.child_env(NPROC_PER_NODE="2", PYTHON=runs.PYTHON, MASTER_PORT=str(runs.free_port()))
+    # a session of its own: Ctrl-C signals the terminal's whole foreground process group
+    proc = subprocess.Popen(command, cwd=runs.REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _wait_for(tag(tmp_path / "interrupted", 4) / checkpoint.MARKER, proc)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert "on SIGINT: checkpoint saved" in out
+    stopped = int(next(line for line in out.splitlines() if line.startswith("stopping at step")).split()[3])
+    assert checkpoint.is_complete(tag(tmp_path / "interrupted", stopped))
+
+
+def test_a_second_ctrl_c_aborts_but_the_same_keypress_twice_does_not(monkeypatch):
+    from pretrain.train import REPEAT_SIGINT_S, Aborted, Trainer
+
+    trainer = Trainer.__new__(Trainer)  # only the signal state; nothing else is set up
+    trainer.stop_signal, trainer.stop_time, trainer.rank = 0, 0.0, 0
+    clock = [100.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    trainer._on_signal(signal.SIGINT, None)
+    assert trainer.stop_signal == signal.SIGINT
+    clock[0] += REPEAT_SIGINT_S / 4  # torchrun forwarding the same Ctrl-C
+    trainer._on_signal(signal.SIGINT, None)
+    clock[0] += REPEAT_SIGINT_S
+    with pytest.raises(Aborted):
+        trainer._on_signal(signal.SIGINT, None)
+
+
+def test_a_bad_launch_under_torchrun_is_one_line_with_the_trainers_code(tmp_path):
+    env = runs.child_env(NPROC_PER_NODE="2", PYTHON=runs.PYTHON, MASTER_PORT=str(runs.free_port()))
+    bad_config = subprocess.run(["bash", "launch/torchrun.sh", str(runs.base_config_file()),
+                                 f"output_root={tmp_path}", "train.global_batch_size=3"],
+                                cwd=runs.REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert bad_config.returncode == 2
+    assert "train.global_batch_size=3: must be a multiple" in one_error_line(bad_config.stderr)
+    assert "ChildFailedError" not in bad_config.stderr and "torch.distributed" not in bad_config.stderr
+
+
+def test_an_error_inside_a_torchrun_launch_is_the_last_line(source_run, tmp_path):
+    """Damage only a checksum sees: the one-process check (sizes only) passes, the ranks find it."""
+    run_dir = copy_run(source_run, tmp_path, "inside")
+    flip_a_byte(tag(run_dir, 4))
+    env = runs.child_env(NPROC_PER_NODE="2", PYTHON=runs.PYTHON, MASTER_PORT=str(runs.free_port()))
+    result = subprocess.run(["bash", "launch/torchrun.sh", str(runs.base_config_file()), *ONE_PROCESS[:2],
+                             f"output_root={tmp_path}", "run_name=fresh", f"resume={tag(run_dir, 4)}"],
+                            cwd=runs.REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1
+    assert "checksum mismatch" in one_error_line(result.stderr)
+    assert "ChildFailedError" not in result.stderr
