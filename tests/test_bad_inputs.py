@@ -1,0 +1,176 @@
+"""One sweep over the bad inputs a new user gives the command-line tools: every one ends in a
+one-line error (argparse's usage + error for malformed command lines) or an explicit warning,
+never a traceback, and never exit 0 when it failed. The commands run in-process (their `main`),
+the trainer as `--check`, which runs exactly the checks a launch makes before any work."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+import trainer_runs as runs
+from pretrain import checkpoint
+from pretrain.config import load_config
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> dict:
+    """A prepared dataset, a base config pointing at it, and run directories holding
+    checkpoint markers (written as the trainer writes them; no training needed for --check)."""
+    root = tmp_path_factory.mktemp("bad-inputs")
+    base = yaml.safe_load(runs.base_config_file().read_text()) | {"output_root": str(root / "runs")}
+    config = root / "base.yaml"
+    config.write_text(yaml.safe_dump(base))
+    cfg = load_config(config, ["run_name=done"])
+
+    def run_with_checkpoint(name: str, *overrides: str, files: dict | None = None) -> Path:
+        saved = load_config(config, [f"run_name={name}", *overrides])
+        tag_dir = saved.run_dir / "ckpt" / checkpoint.tag_for(4)
+        tag_dir.mkdir(parents=True)
+        (tag_dir / "mp_rank_00_model_states.pt").write_bytes(b"x" * 10)
+        marker = checkpoint.Marker(step=4, world_size=1, config=saved, model_config={"vocab_size": 128},
+                                   files=files if files is not None else {"mp_rank_00_model_states.pt": [10, "0"]})
+        (tag_dir / checkpoint.MARKER).write_text(marker.to_json())
+        return saved.run_dir
+
+    run_with_checkpoint("done")
+    run_with_checkpoint("stage0", "zero.stage=0")
+    run_with_checkpoint("torn", files={"mp_rank_00_model_states.pt": [999, "0"]})
+    incomplete = root / "runs" / "incomplete" / "ckpt" / checkpoint.tag_for(4)
+    incomplete.mkdir(parents=True)
+    text_file = root / "file.txt"
+    text_file.write_text("not a directory\n")
+    (root / "notyaml.yaml").write_text("a: [1, 2\n")
+    (root / "list.yaml").write_text("- 1\n- 2\n")
+    bad_jsonl = root / "bad.jsonl"
+    bad_jsonl.write_text('{"text": "fine"}\n{broken\n')
+    small = root / "small.jsonl"
+    small.write_text("".join(json.dumps({"text": f"doc {i} " * 20}) + "\n" for i in range(5)))
+    occupied = root / "occupied"
+    occupied.mkdir()
+    (occupied / "something").write_text("x")
+    empty_run = root / "runs" / "empty"
+    empty_run.mkdir(parents=True)
+    return {"root": root, "config": config, "data": cfg.data.path, "file": text_file,
+            "runs": root / "runs", "incomplete": incomplete, "bad_jsonl": bad_jsonl, "small": small,
+            "occupied": occupied, "empty_run": empty_run}
+
+
+def train(*args: str) -> tuple[str, list[str]]:
+    return "pretrain.train", list(args)
+
+
+def check(*overrides: str) -> tuple[str, list[str]]:
+    return "pretrain.train", ["--check", "--config", "{config}", *overrides]
+
+
+def prepare(*args: str) -> tuple[str, list[str]]:
+    return "data_pipeline.prepare", list(args)
+
+
+CASES = {
+    # the trainer's config: file, YAML, keys, types, values, combinations
+    "config file missing": (train("--config", "no/such.yaml"), "config file not found"),
+    "config is a directory": (train("--config", "{root}"), "is a directory"),
+    "config not YAML": (train("--config", "{root}/notyaml.yaml"), "not valid YAML"),
+    "config not a mapping": (train("--config", "{root}/list.yaml"), "top level must be a mapping"),
+    "unknown key": (check("trian.max_steps=3"), "command line: unknown key trian"),
+    "unknown nested key": (check("train.max_step=3"), "did you mean train.max_steps?"),
+    "integer as text": (check("train.max_steps=ten"), "train.max_steps must be an integer"),
+    "boolean as integer": (check("train.max_steps=true"), "must be an integer, got True"),
+    "override without =": (check("train.max_steps"), "is not of the form key.sub=value"),
+    "scalar as section": (check("seed.sub=3"), "seed is not a section"),
+    "lr zero": (check("optimizer.lr=0"), "optimizer.lr=0.0: must be > 0"),
+    "betas": (check("optimizer.betas=[0.9]"), "must be two numbers in [0, 1)"),
+    "schedule kind": (check("schedule.kind=linear"), "schedule.kind='linear'"),
+    "min lr above lr": (check("schedule.min_lr=1.0"), "must not exceed optimizer.lr"),
+    "fp16 on CPU": (check("train.precision=fp16"), "fp16 needs a GPU"),
+    "ZeRO stage": (check("zero.stage=5"), "must be 0, 1, 2 or 3"),
+    "offload without ZeRO": (check("zero.stage=0", "zero.offload_optimizer=true"), "needs zero.stage >= 1"),
+    "global batch": (check("train.global_batch_size=3"), "must be a multiple of data.micro_batch_size"),
+    "checkpointing mode": (check("model.activation_checkpointing=all"), "must be 'off', 'step' or 'block'"),
+    "fault rank": (check("fault.nan_loss_rank=4"), "must be a rank of this run"),
+    "unknown flavor": (check("model.flavor=gpt-huge"), "unknown model flavor 'gpt-huge'"),
+    "unknown model field": (check("model.overrides.n_layers=4"), "is not a field of GPTConfig"),
+    "context shorter than seq_len": (check("model.overrides.block_size=16"), "shorter than data.seq_len"),
+    "compile with double backward": (check("model.flavor=ebt-tiny", "model.compile=inductor"), "double backward"),
+    "resume path missing": (check("resume=no/such/run"), "must be 'auto', 'never', 'restart' or an existing"),
+    "run name with a slash": (check("run_name=a/b"), "must be a plain directory name"),
+    "no budget": (check("train.max_steps=null", "train.max_tokens=null"), "a budget is required"),
+    "val fraction": (check("data.val_fraction=2"), "must be in (0, 1)"),
+    "no data path": (check("data.path="), "data.path"),
+    "negative workers": (check("data.num_workers=-1"), "must be >= 0"),
+    "zero eval batches": (check("eval.batches=0"), "must be >= 1"),
+    # the checks before any work: output root, data, the checkpoint to resume from
+    "output root is a file": (check("output_root={file}"), "is not a directory"),
+    "dataset missing": (check("data.path={root}/nothing"), "no prepared dataset there"),
+    "seq_len differs from the data": (check("data.seq_len=16"), "has windows for seq_len=32"),
+    "model vocabulary too small": (check("model.overrides.vocab_size=8"), "smaller than the vocabulary"),
+    "resume=never over checkpoints": (check("run_name=done", "resume=never"), "resume=restart moves it aside"),
+    "model differs from checkpoint": (check("run_name=done", "model.flavor=nrgpt-tiny"), "differs from the checkpoint"),
+    "seq_len differs from checkpoint": (check("run_name=done", "data.seq_len=16"), "differs from the checkpoint"),
+    "ZeRO-0 checkpoint into ZeRO-2": (check("run_name=stage0"), "saved without ZeRO"),
+    "incomplete explicit checkpoint": (check("resume={incomplete}"), "checkpoint is incomplete"),
+    "torn checkpoint": (check("run_name=torn"), "every one is damaged"),
+    "resume from a run without checkpoints": (check("run_name=x", "resume={empty_run}"), "no complete checkpoint found"),
+    "check with a bad world size": (train("--check", "--world-size", "3", "--config", "{config}"),
+                                    "must be a multiple of data.micro_batch_size x world size"),
+    # preparing data
+    "unknown source": (prepare("--source", "nowhere:x", "--out", "{root}/o1"), "nowhere"),
+    "missing source file": (prepare("--source", "jsonl:{root}/none.jsonl", "--out", "{root}/o2"), "none.jsonl"),
+    "seq_len zero": (prepare("--source", "shakespeare", "--out", "{root}/o3", "--seq-len", "0"), "seq-len"),
+    "val fraction above one": (prepare("--source", "shakespeare", "--out", "{root}/o4", "--val-fraction", "1.5"),
+                               "val-fraction"),
+    "output is a file": (prepare("--source", "shakespeare", "--out", "{file}"), "not a directory"),
+    "output holds something else": (prepare("--source", "shakespeare", "--out", "{occupied}"), "refusing to write into it"),
+    "unknown tokenizer": (prepare("--source", "shakespeare", "--out", "{root}/o5", "--tokenizer", "bpe"), "tokenizer"),
+    "broken jsonl line": (prepare("--source", "jsonl:{bad_jsonl}", "--out", "{root}/o6", "--seq-len", "4",
+                                  "--val-fraction", "0", "--num-proc", "1"), "bad.jsonl"),
+    "small corpus, default val fraction": (prepare("--source", "jsonl:{small}", "--out", "{root}/o7", "--seq-len", "8",
+                                                   "--num-proc", "1"), "--val-fraction"),
+    "unknown compression": (prepare("--source", "shakespeare", "--out", "{root}/o8", "--compression", "rar"),
+                            "compression"),
+    # exporting
+    "export of a missing run": (("pretrain.export", ["{root}/nothing", "--out", "{root}/m.safetensors"]),
+                                "no such run directory"),
+    "export of a run without checkpoint": (("pretrain.export", ["{empty_run}", "--out", "{root}/m.safetensors"]),
+                                           "no complete checkpoint found"),
+    # scaling
+    "sweep file missing": (("pretrain.scaling", ["run", "{root}/nosweep.yaml"]), "nosweep.yaml"),
+    "fit of a missing directory": (("pretrain.scaling", ["fit", "{root}/nothing"]), "nothing"),
+}
+
+
+def run_main(module: str, argv: list[str]) -> int:
+    import importlib
+
+    main = importlib.import_module(module if module != "pretrain.scaling" else "pretrain.scaling.__main__").main
+    try:
+        return main(argv)
+    except SystemExit as exit_:  # argparse
+        return exit_.code if isinstance(exit_.code, int) else 1
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_is_one_line(world, case, capsys):
+    (module, argv), expected = CASES[case]
+    argv = [arg.format(**world) for arg in argv]
+    code = run_main(module, argv)
+    err = capsys.readouterr().err
+    assert code != 0, f"{case}: exit 0\n{err[-2000:]}"
+    assert "Traceback" not in err, err[-3000:]
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith(("warning:", "["))]
+    errors = [line for line in lines if "error: " in line]
+    assert len(errors) == 1 and lines[-1] == errors[0], f"{case}:\n{err[-3000:]}"
+    assert expected in errors[0], f"{case}: {errors[0]!r} lacks {expected!r}"
+
+
+def test_a_mostly_unused_vocabulary_is_an_explicit_warning(world, capsys):
+    code = run_main("pretrain.train", ["--check", "--config", str(world["config"]), "model.overrides.vocab_size=50304"])
+    err = capsys.readouterr().err
+    assert code == 0 and "warning: the model has 50304 embeddings" in err and "can never occur" in err
+
