@@ -23,17 +23,19 @@ import torch
 
 import trainer_runs as runs
 from pretrain import export
-from pretrain.hf.export import export_hf
+from pretrain.hf.export import ExportError, carried_sources, export_hf
 from pretrain.hf.load import load_pretrained_weights
 from pretrain.models import build, resolve
 from pretrain.trained import LoadError, TrainedModel, load_trained
 
 CASES = {"gpt": ("gpt-tiny", {}), "gpt_rec": ("gpt_rec-tiny", {}), "nrgpt": ("nrgpt-tiny", {}),
          "ebt": ("ebt-tiny", {}), "transformer_pp": ("transformer_pp-tiny", {}),
-         "gpt_without_biases": ("gpt-tiny", {"bias": False})}
-"""Export name -> (flavor, overrides): every family, and a gpt that GPT-2 cannot express."""
+         "ebt_s2": ("ebt-s2-tiny", {}), "gpt_without_biases": ("gpt-tiny", {"bias": False})}
+"""Export name -> (flavor, overrides): every family, EBT's S2 recipe (step embedding, a replay
+buffer that the export leaves out) and a gpt that GPT-2 cannot express."""
 CLASSES = {"gpt": "GPT2LMHeadModel", "transformer_pp": "LlamaForCausalLM", "gpt_rec": "GPTRecForCausalLM",
-           "nrgpt": "NRGPTForCausalLM", "ebt": "EBTForCausalLM", "gpt_without_biases": "GPTForCausalLM"}
+           "nrgpt": "NRGPTForCausalLM", "ebt": "EBTForCausalLM", "ebt_s2": "EBTForCausalLM",
+           "gpt_without_biases": "GPTForCausalLM"}
 NATIVE = ("gpt", "transformer_pp")
 GPT2_MANIFEST = {"tokenizer": "gpt2", "vocab_size": 50257, "eot_id": 50256, "seq_len": 32, "source": "shakespeare"}
 PADDED_GPT2_VOCAB = 50304
@@ -158,6 +160,21 @@ def test_carried_code_imports_only_the_standard_library_torch_and_transformers(b
                 for name in names:
                     top = name.split(".")[0]
                     assert top in sys.stdlib_module_names or top in ("torch", "transformers"), (file.name, name)
+
+
+def test_carried_code_refuses_imports_an_export_cannot_satisfy():
+    with pytest.raises(ExportError, match="pretrain.train imports .*; exported modeling code may import only"):
+        carried_sources(["pretrain.train"])  # the trainer: numpy, yaml, deepspeed, ...
+
+
+def test_ebt_replay_buffer_is_left_out(built_exports):
+    model, path = built_exports["ebt_s2"]
+    assert model.config.replay_buffer_size > 0 and any(k.startswith("replay_") for k in model.state_dict())
+    from safetensors import safe_open
+
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        assert not any("replay_" in k for k in f.keys())
+    assert json.loads((path / "config.json").read_text())["model_config"]["replay_buffer_size"] == 0
 
 
 def test_gpt2_tokenizer_encodes_like_the_data_pipeline(built_exports):
