@@ -291,7 +291,8 @@ def model_card(trained: TrainedModel, model: torch.nn.Module, model_config: Any,
     lines = [
         "---", "library_name: transformers", f"tags: [{family}, pretrain]", "---", "",
         f"# {trained.flavor} (step {trained.step})", "",
-        f"A `{family}` language model trained with this project's pretraining pipeline. {architecture}", "",
+        f"A language model of the `{family}` family, trained with this project's pretraining pipeline. "
+        f"{architecture}", "",
         markdown_table(rows), "## Use", "", "```python", load, "```", "",
         "The tokenizer gives the training data's token ids. The pipeline encodes `<|endoftext|>` inside "
         "text as ordinary text; pass `split_special_tokens=True` to the tokenizer for the same ids there.", "",
