@@ -191,6 +191,9 @@ def test_gpt2_tokenizer_encodes_like_the_data_pipeline(built_exports):
         assert ids == ours.encode(text).tolist()
         assert hf.decode(ids) == text
     assert hf.eos_token_id == GPT2_MANIFEST["eot_id"] and hf.model_max_length == 32
+    # the pipeline reads "<|endoftext|>" inside a document as text; the model card says how to match it
+    text = "Exeunt.<|endoftext|>ROMEO: Soft!"
+    assert hf(text, split_special_tokens=True)["input_ids"] == ours.encode(text).tolist()
 
 
 def test_char_level_run_exports_its_vocabulary(run_exports):
