@@ -28,8 +28,9 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
 @contextmanager
 def atomic_directory(path: str | Path) -> Iterator[Path]:
     """Fill the yielded staging directory (next to `path`), which then replaces `path` by
-    renames: readers see the old directory or the complete new one, and a failure (or a kill)
-    leaves `path` untouched; the staging directory is removed either way."""
+    renames: `path` is never a partial directory, and a failure leaves it untouched (the staging
+    directory is removed; a killed process leaves it behind, under a name with its pid). An
+    existing `path` is moved aside first, so between the two renames it is briefly absent."""
     path = Path(path)
     staging = path.with_name(f".{path.name}.incomplete-{os.getpid()}")
     retired = staging.with_name(staging.name + ".old")

@@ -172,7 +172,8 @@ class Trainer:
         configure_device_math(cfg, self.on_gpu)
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
         model = build(self.model_config)
-        if cfg.model.init_from:  # before the engine partitions the parameters; a resume replaces them
+        # before the engine partitions the parameters; a resumed run gets its weights from its checkpoint
+        if cfg.model.init_from and checkpoint.find_checkpoint(cfg.resume, self.ckpt_dir) is None:
             from pretrain.hf.load import load_pretrained_weights
             from pretrain.trained import LoadError
 
@@ -205,7 +206,8 @@ class Trainer:
             saved = checkpoint.read_marker(tag_dir)["config"]
             for key in ("model", "data.seq_len"):
                 before, now = get_key(saved, key), get_key(self.cfg, key)
-                now = asdict(now) if key == "model" else now
+                if key == "model":  # a checkpoint holds the weights: where they started no longer matters
+                    before, now = ({k: v for k, v in d.items() if k != "init_from"} for d in (before, asdict(now)))
                 if before != now:
                     raise ConfigError(f"{key}={now!r} differs from the checkpoint {tag_dir} "
                                       f"({before!r}); start a new run (another run_name or resume=never)")

@@ -329,6 +329,8 @@ def test_training_from_an_export_starts_at_the_source_loss(run_exports):
     """A one-process run with `model.init_from` a (native GPT-2) export, one update at a
     negligible learning rate, evaluates to the source run's val loss; then a run whose shape
     does not match fails before training with one line naming the tensor."""
+    for name in ("from-export", "from-export-wide"):
+        shutil.rmtree(runs.run_dir(name), ignore_errors=True)
     common = ["model.flavor=gpt-tiny", "zero.stage=0", "data.num_workers=0", "eval.sample_tokens=0",
               "checkpoint.interval=0", f"model.init_from={run_exports['gpt']}"]
     result = subprocess.run(runs.train_command([*common, "run_name=from-export", "train.max_steps=1",

@@ -6,8 +6,8 @@
     DIR/training_run.json                                         flavor, config, step, run config, data manifest
     DIR/*.py                                                      gpt_rec, nrgpt, ebt: the modeling code
 
-gpt and transformer_pp become native GPT2LMHeadModel / LlamaForCausalLM (`native.py`). The other
-families carry their code: the family's module from pretrain/models/ and every module of that
+gpt and transformer_pp become native GPT2LMHeadModel / LlamaForCausalLM (`native.py`) where that
+class computes exactly our model. The others carry their code: the family's module from pretrain/models/ and every module of that
 package it imports, with those imports made relative, the generic wrapper `modeling.py`, and a
 generated `modeling_<family>.py` that binds the two, registered for the auto classes."""
 from __future__ import annotations
@@ -63,28 +63,27 @@ def export_hf(trained: TrainedModel, out: str | Path, overwrite: bool = False, c
                           "export would have no tokenizer (is the run's data.path still there?)")
     model_config = dataclasses.replace(trained.model_config, **{k: v for k, v in TRAINING_ONLY.items()
                                                                if hasattr(trained.model_config, k)})
-    model = build(model_config)
-    own_keys = model.state_dict().keys()
-    model.load_state_dict({k: v for k, v in trained.model.state_dict().items() if k in own_keys}, strict=True)
-    model.eval()
+    with torch.device("meta"):  # only the names: no memory, no draw from the caller's RNG
+        kept = build(model_config).state_dict().keys()
+    state = {k: t for k, t in trained.model.state_dict().items() if k in kept}
     reason = native.not_native_reason(model_config)
     eot_id = trained.manifest["eot_id"]
     out.parent.mkdir(parents=True, exist_ok=True)
     with atomic_directory(out) as staging:
         if reason is None:
-            save_native(model, model_config, staging, eot_id)
+            save_native(state, model_config, staging, eot_id)
         else:
-            save_with_code(model, model_config, trained.flavor, staging, eot_id)
+            save_with_code(state, model_config, trained.flavor, staging, eot_id)
         save_tokenizer(trained.manifest, staging, model_config.block_size)
         run = {"format": "native" if reason is None else "code", "family": family_name(model_config),
                "flavor": trained.flavor, "model_config": dataclasses.asdict(model_config), "step": trained.step,
                "checkpoint": str(trained.source), "run_config": trained.run_config, "manifest": trained.manifest}
         (staging / RUN_FILE).write_text(json.dumps(run, indent=2) + "\n")
-        (staging / "README.md").write_text(model_card(trained, model, model_config, reason, out, command))
+        (staging / "README.md").write_text(model_card(trained, model_config, reason, out, command))
     return out
 
 
-def save_native(model: torch.nn.Module, model_config: Any, out: Path, eot_id: int) -> None:
+def save_native(state: dict[str, torch.Tensor], model_config: Any, out: Path, eot_id: int) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model_type = native.HF_MODEL_TYPES[family_name(model_config)]
@@ -92,7 +91,7 @@ def save_native(model: torch.nn.Module, model_config: Any, out: Path, eot_id: in
     config = AutoConfig.for_model(model_type, **native.hf_config(model_config), bos_token_id=eot_id,
                                   eos_token_id=eot_id)
     hf_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    missing, unexpected = hf_model.load_state_dict(native.to_hf(model.state_dict(), model_config), strict=False)
+    missing, unexpected = hf_model.load_state_dict(native.to_hf(state, model_config), strict=False)
     tied = ["lm_head.weight"] if config.tie_word_embeddings else []
     if missing != tied or unexpected:
         raise ExportError(f"the {model_type} mapping does not cover the model: missing {missing}, "
@@ -126,7 +125,7 @@ class {prefix}ForCausalLM(ExportedForCausalLM):
 '''
 
 
-def save_with_code(model: torch.nn.Module, model_config: Any, flavor: str, out: Path, eot_id: int) -> None:
+def save_with_code(state: dict[str, torch.Tensor], model_config: Any, flavor: str, out: Path, eot_id: int) -> None:
     from transformers import GenerationConfig
 
     from pretrain.hf.modeling import ExportedConfig
@@ -152,7 +151,7 @@ def save_with_code(model: torch.nn.Module, model_config: Any, flavor: str, out: 
                                       "AutoModelForCausalLM": f"{module}.{prefix}ForCausalLM"})
     config_dict = {**config.to_diff_dict(), "model_type": REMOTE_MODEL_TYPE.format(family=family)}
     (out / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
-    tensors = {CODE_PREFIX + name: t.detach().clone().contiguous() for name, t in model.state_dict().items()}
+    tensors = {CODE_PREFIX + name: t.detach().clone().contiguous() for name, t in state.items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     GenerationConfig(bos_token_id=eot_id, eos_token_id=eot_id, pad_token_id=eot_id,
                      use_cache=False).save_pretrained(out)
@@ -249,10 +248,9 @@ def _run_summary(trained: TrainedModel) -> dict | None:
     return summary if summary.get("steps") == trained.step else None
 
 
-def model_card(trained: TrainedModel, model: torch.nn.Module, model_config: Any, not_native: str | None,
-               out: Path, command: str) -> str:
+def model_card(trained: TrainedModel, model_config: Any, not_native: str | None, out: Path, command: str) -> str:
     """README.md of the export: what the model is, what it was trained on, how it did."""
-    family, run = family_name(model_config), trained.run_config
+    family, run, model = family_name(model_config), trained.run_config, trained.model
     summary = _run_summary(trained) or {}
     manifest = trained.manifest
     data, train = run.get("data", {}), run.get("train", {})
