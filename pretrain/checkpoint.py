@@ -427,6 +427,8 @@ class CheckpointManager:
             _warn(f"damaged checkpoint skipped ({', '.join(damage)}); resuming from {candidate}")
         for key in ("model", "data.seq_len"):
             before, now = get_key(marker.config, key), get_key(cfg, key)
+            if key == "model":  # a checkpoint holds the weights: where they started no longer matters
+                before, now = (dataclasses.replace(section, init_from=None) for section in (before, now))
             if before != now:
                 show = dataclasses.asdict if key == "model" else (lambda v: v)
                 raise ConfigError(f"{key}={show(now)!r} differs from the checkpoint {candidate} "

@@ -41,6 +41,11 @@ class ModelSection:
     activation_checkpointing: str | None = None
     """"off", "step" (each unrolled recurrent/descent step) or "block" (each transformer block),
     recomputed in backward; None keeps the flavor's setting."""
+    init_from: str | None = None
+    """A local Hugging Face directory to start from instead of the random initialisation
+    (continued pretraining, fine-tuning): GPT-2 for gpt, Llama for transformer_pp, or an export
+    of the run's family (`pretrain.export --format hf`). Every weight must match the run's model
+    in name and shape. A resumed run continues from its checkpoint instead."""
     compile: str = "off"
     """torch.compile the model through DeepSpeed's engine.compile: "off", or a torch.compile
     backend ("inductor" for generated kernels; "aot_eager" traces without generating code, for
@@ -368,6 +373,8 @@ def validate(cfg: RunConfig, world_size: int, has_gpu: bool) -> None:
     require(cfg.train.global_batch_size % per_pass == 0, "train.global_batch_size",
             f"must be a multiple of data.micro_batch_size x world size = "
             f"{cfg.data.micro_batch_size} x {world_size} = {per_pass}")
+    require(cfg.model.init_from is None or (Path(cfg.model.init_from) / "config.json").is_file(),
+            "model.init_from", "must be a Hugging Face model directory (one holding config.json)")
     require(cfg.model.activation_checkpointing in (None, "off", "step", "block"),
             "model.activation_checkpointing", "must be 'off', 'step' or 'block'")
     require(0 <= cfg.fault.nan_loss_rank < world_size, "fault.nan_loss_rank",

@@ -1,17 +1,25 @@
-"""Export a run's checkpoint as one consolidated fp32 safetensors file.
+"""Export a run's checkpoint: one consolidated fp32 safetensors file, or a Hugging Face directory.
 
     python -m pretrain.export RUN_DIR|CHECKPOINT_DIR --out model.safetensors
+    python -m pretrain.export RUN_DIR|CHECKPOINT_DIR --format hf --out DIR [--overwrite]
 
 The sharded ZeRO checkpoint is merged with DeepSpeed's ZeRO-to-fp32 conversion (the fp32
-master weights, whatever the training precision). The file holds every key of the model's
-`state_dict()` (tied weights stored under both names), so `build(config)` followed by
+master weights, whatever the training precision). The safetensors file holds every key of the
+model's `state_dict()` (tied weights stored under both names), so `build(config)` followed by
 `load_state_dict(safetensors.torch.load_file(FILE))` accepts it; the metadata carries the
-flavor and the full model config (`load` below does both steps)."""
+flavor and the full model config (`load` below does both steps).
+
+`--format hf` writes a directory that `AutoModelForCausalLM.from_pretrained` and
+`AutoTokenizer.from_pretrained` load (see `pretrain.hf.export`): native GPT2LMHeadModel /
+LlamaForCausalLM for gpt / transformer_pp, the model's own code (`trust_remote_code=True`) for
+gpt_rec, nrgpt and ebt, with the tokenizer and a model card. An existing `--out` is replaced
+only with `--overwrite`; either output appears only when complete."""
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shlex
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -20,7 +28,7 @@ import torch
 from safetensors.torch import save_file
 
 from pretrain.fileio import atomic_write
-from pretrain.trained import LoadError, load_trained
+from pretrain.trained import load_trained
 
 
 def export(source: str | Path, out: str | Path) -> Path:
@@ -46,14 +54,27 @@ def load(path: str | Path) -> torch.nn.Module:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pretrain.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", help="run directory (its newest complete checkpoint), or one checkpoint")
-    parser.add_argument("--out", required=True, help="output .safetensors file")
+    parser.add_argument("--out", required=True, help="output .safetensors file, or directory for --format hf")
+    parser.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
+                        help="one safetensors file (default) or a Hugging Face directory")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     args = parser.parse_args(argv)
+    from pretrain.hf.export import check_out, export_hf
+
+    out = Path(args.out)
     try:
-        tag_dir = export(args.run_dir, args.out)
-    except (LoadError, ValueError, FileNotFoundError) as e:
+        check_out(out, args.overwrite)
+        if args.format == "hf":
+            command = shlex.join(["python", "-m", "pretrain.export", *(sys.argv[1:] if argv is None else argv)])
+            trained = load_trained(args.run_dir)
+            export_hf(trained, out, overwrite=args.overwrite, command=command)
+            print(f"wrote {out} from {trained.source} ({trained.family}, Hugging Face format)")
+            return 0
+        tag_dir = export(args.run_dir, out)
+    except (ValueError, FileNotFoundError) as e:  # LoadError, ExportError, bad model configs
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {args.out} from {tag_dir} ({os.path.getsize(args.out) / 1e6:.1f} MB, fp32)")
+    print(f"wrote {out} from {tag_dir} ({os.path.getsize(out) / 1e6:.1f} MB, fp32)")
     return 0
 
 

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import os
+import shutil
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 
 def atomic_write(path: str | Path, write: Callable[[Path], Any]) -> Path:
@@ -21,6 +23,30 @@ def atomic_write(path: str | Path, write: Callable[[Path], Any]) -> Path:
 
 def atomic_write_text(path: str | Path, text: str) -> Path:
     return atomic_write(path, lambda tmp: tmp.write_text(text))
+
+
+@contextmanager
+def atomic_directory(path: str | Path) -> Iterator[Path]:
+    """Fill the yielded staging directory (next to `path`), which then replaces `path` by
+    renames: `path` is never a partial directory, and a failure leaves it untouched (the staging
+    directory is removed; a killed process leaves it behind, under a name with its pid). An
+    existing `path` is moved aside first, so between the two renames it is briefly absent."""
+    path = Path(path)
+    staging = path.with_name(f".{path.name}.incomplete-{os.getpid()}")
+    retired = staging.with_name(staging.name + ".old")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        yield staging
+        if path.exists():
+            os.rename(path, retired)  # a rename cannot replace a non-empty directory
+        os.rename(staging, path)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+        if retired.is_dir():
+            shutil.rmtree(retired, ignore_errors=True)
+        else:
+            retired.unlink(missing_ok=True)
 
 
 def markdown_table(rows: list[dict[str, Any]], formats: dict[str, str] | None = None) -> str:

@@ -192,6 +192,15 @@ class Trainer:
         configure_device_math(cfg, self.on_gpu)
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
         model = build(self.model_config)
+        # before the engine partitions the parameters; a resumed run gets its weights from its checkpoint
+        if cfg.model.init_from and self.checkpoints.resume_from is None:
+            from pretrain.hf.load import load_pretrained_weights
+            from pretrain.trained import LoadError
+
+            try:
+                self.resume_notes += load_pretrained_weights(model, cfg.model.init_from)
+            except LoadError as e:
+                raise ConfigError(f"model.init_from: {e}") from None
         self.params = model.num_params()
         self.non_embedding_params = model.num_params(non_embedding=True)
         self.flops_per_token = model.flops_per_token(cfg.data.seq_len, training=True)

@@ -1,10 +1,11 @@
 """A trained model, loaded for use (evaluation, sampling, export) rather than for resuming.
 
-    trained = load_trained(RUN_DIR | CHECKPOINT_DIR | FILE.safetensors, device="cpu", dtype="fp32")
+    trained = load_trained(RUN_DIR | CHECKPOINT_DIR | FILE.safetensors | HF_EXPORT_DIR, device="cpu", dtype="fp32")
     trained.model(idx).logits; trained.tokenizer.encode(text)
 
-The source is a run directory (its newest complete checkpoint), one checkpoint directory, or a
-safetensors file written by `python -m pretrain.export`. Sampling, evaluation and the exports
+The source is a run directory (its newest complete checkpoint), one checkpoint directory, a
+safetensors file written by `python -m pretrain.export`, or a Hugging Face directory written by
+`python -m pretrain.export --format hf`. Sampling, evaluation and the exports
 all load through here, so they see the same weights and the same tokenizer."""
 from __future__ import annotations
 
@@ -82,7 +83,8 @@ def find_trained_checkpoint(source: str | Path) -> Path:
         tag_dir = None
     if tag_dir is None:
         raise LoadError(f"{source}: no complete checkpoint found (a run directory, one of its "
-                        "ckpt/step_* directories or an exported .safetensors file is expected)")
+                        "ckpt/step_* directories, an exported .safetensors file or an exported Hugging Face "
+                        "directory is expected)")
     return tag_dir
 
 
@@ -93,11 +95,40 @@ def _read_manifest(data_path: str | None) -> dict | None:
     return json.loads(file.read_text()) if file.is_file() else None
 
 
+def load_weights(model: nn.Module, tensors: dict[str, torch.Tensor], source: Path,
+                 origin: dict[str, str] | None = None) -> None:
+    """Load `tensors` (keys of `model.state_dict()`) into `model`: every parameter must be there
+    with its shape and nothing else may be (the message names the tensor, as `origin` maps our
+    key to the source's name); buffers the source lacks keep their values (training state such
+    as EBT's replay buffer, which Hugging Face exports leave out)."""
+    origin = origin or {}
+    expected = model.state_dict()
+    for name, t in tensors.items():
+        if name not in expected:
+            raise LoadError(f"{source}: tensor {origin.get(name, name)} {list(t.shape)} has no counterpart "
+                            "in the model")
+        if t.shape != expected[name].shape:
+            raise LoadError(f"{source}: tensor {origin.get(name, name)} has shape {list(t.shape)}, the "
+                            f"model needs {list(expected[name].shape)} ({name})")
+    # tied weights appear under several names; the source may hold any one of them
+    aliases: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    state = {**expected, **tensors}
+    for names in aliases.values():
+        present = [n for n in names if n in tensors]
+        if not present:
+            raise LoadError(f"{source}: no tensor for the model's parameter {names[0]}")
+        for n in names:
+            state[n] = tensors[present[0]]
+    model.load_state_dict({name: t.to(expected[name].dtype) for name, t in state.items()}, strict=True)
+
+
 def load_trained(source: str | Path, device: str | torch.device = "cpu", dtype: str = "fp32") -> TrainedModel:
     """Load the model `source` names (see the module docstring) for inference."""
     if dtype not in DTYPES:
         raise LoadError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
-    path = Path(source)
+    path, manifest = Path(source), None
     if path.is_file() and path.suffix == ".safetensors":
         from safetensors import safe_open
         from safetensors.torch import load_file
@@ -109,6 +140,13 @@ def load_trained(source: str | Path, device: str | torch.device = "cpu", dtype: 
         flavor, raw_model_config = metadata["flavor"], json.loads(metadata["model_config"])
         run_config = json.loads(metadata.get("run_config", "{}"))
         state, step = load_file(str(path)), int(metadata.get("step", 0))
+    elif (path / "config.json").is_file():
+        from pretrain.hf.load import read_export
+
+        run = read_export(path)
+        flavor, raw_model_config, step, run_config = run["flavor"], run["model_config"], run["step"], run["run_config"]
+        manifest = run["manifest"]  # carried along: the data directory may not exist where it is used
+        state = None  # read for the model config below: native exports name weights their way
     else:
         path = find_trained_checkpoint(source)
         marker = checkpoint.Marker.read(path)
@@ -117,8 +155,13 @@ def load_trained(source: str | Path, device: str | torch.device = "cpu", dtype: 
         state = consolidated_state_dict(path)
     model_cfg = resolve(flavor, raw_model_config)
     model = build(model_cfg)
-    model.load_state_dict(state, strict=True)
+    origin = None
+    if state is None:
+        from pretrain.hf.load import tensors_for
+
+        state, origin, _ = tensors_for(path, model_cfg)
+    load_weights(model, state, path, origin)
     model.to(device=device, dtype=DTYPES[dtype]).eval()
-    manifest = _read_manifest(run_config.get("data", {}).get("path"))
+    manifest = manifest or _read_manifest(run_config.get("data", {}).get("path"))
     return TrainedModel(model=model, flavor=flavor, model_config=model_cfg, step=step, source=path,
                         run_config=run_config, manifest=manifest)

@@ -1,0 +1,309 @@
+"""Write a trained model as a Hugging Face directory (`python -m pretrain.export RUN --format hf`).
+
+    DIR/config.json, model.safetensors, generation_config.json   the model (fp32)
+    DIR/tokenizer.json, tokenizer_config.json, ...                the training data's tokenizer
+    DIR/README.md                                                 the model card
+    DIR/training_run.json                                         flavor, config, step, run config, data manifest
+    DIR/*.py                                                      gpt_rec, nrgpt, ebt: the modeling code
+
+gpt and transformer_pp become native GPT2LMHeadModel / LlamaForCausalLM (`native.py`) where that
+class computes exactly our model. The others carry their code: the family's module from pretrain/models/ and every module of that
+package it imports, with those imports made relative, the generic wrapper `modeling.py`, and a
+generated `modeling_<family>.py` that binds the two, registered for the auto classes."""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib.util
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from pretrain.fileio import atomic_directory, markdown_table
+from pretrain.hf import native
+from pretrain.hf.load import CODE_PREFIX, RUN_FILE
+from pretrain.models import build, family_name, model_class
+from pretrain.summary import SUMMARY_FILE
+from pretrain.trained import TrainedModel
+
+REMOTE_MODEL_TYPE = "pretrain_{family}"
+"""model_type of the exports that carry their code."""
+MODELS_PACKAGE = "pretrain.models"
+WRAPPER_MODULE = "pretrain.hf.modeling"
+CARRIED_PACKAGES = {"torch", "transformers"}
+"""What carried code may import besides the standard library and its own package."""
+PACKAGE_IMPORT = re.compile(r"^(\s*)from pretrain\.(?:models|hf)\.(\w+) import", re.MULTILINE)
+TRAINING_ONLY = {"replay_buffer_size": 0}
+"""Config fields that hold training state only (EBT's replay buffer: up to GBs of candidates),
+left out of exports."""
+
+
+class ExportError(ValueError):
+    """The model cannot be exported as asked; the message is one line."""
+
+
+def check_out(out: Path, overwrite: bool) -> None:
+    """Refuse an `out` that holds anything (a non-empty directory, or a file) unless `overwrite`."""
+    if out.exists() and not overwrite and (out.is_file() or any(out.iterdir())):
+        raise ExportError(f"--out {out} already holds {'a file' if out.is_file() else 'files'}; "
+                          "pass --overwrite to replace it")
+
+
+def export_hf(trained: TrainedModel, out: str | Path, overwrite: bool = False, command: str = "") -> Path:
+    """Write the Hugging Face directory `out` (it appears only when complete); returns it."""
+    out = Path(out)
+    check_out(out, overwrite)
+    if trained.manifest is None:
+        raise ExportError(f"{trained.source}: the training data's manifest was not found, so the "
+                          "export would have no tokenizer (is the run's data.path still there?)")
+    model_config = dataclasses.replace(trained.model_config, **{k: v for k, v in TRAINING_ONLY.items()
+                                                               if hasattr(trained.model_config, k)})
+    with torch.device("meta"):  # only the names: no memory, no draw from the caller's RNG
+        kept = build(model_config).state_dict().keys()
+    state = {k: t for k, t in trained.model.state_dict().items() if k in kept}
+    reason = native.not_native_reason(model_config)
+    eot_id = trained.manifest["eot_id"]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_directory(out) as staging:
+        if reason is None:
+            save_native(state, model_config, staging, eot_id)
+        else:
+            save_with_code(state, model_config, trained.flavor, staging, eot_id)
+        save_tokenizer(trained.manifest, staging, model_config.block_size)
+        run = {"format": "native" if reason is None else "code", "family": family_name(model_config),
+               "flavor": trained.flavor, "model_config": dataclasses.asdict(model_config), "step": trained.step,
+               "checkpoint": str(trained.source), "run_config": trained.run_config, "manifest": trained.manifest}
+        (staging / RUN_FILE).write_text(json.dumps(run, indent=2) + "\n")
+        (staging / "README.md").write_text(model_card(trained, model_config, reason, out, command))
+    return out
+
+
+def save_native(state: dict[str, torch.Tensor], model_config: Any, out: Path, eot_id: int) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type = native.HF_MODEL_TYPES[family_name(model_config)]
+    # no pad_token_id in the model config: Llama would make it its embedding's padding_idx
+    config = AutoConfig.for_model(model_type, **native.hf_config(model_config), bos_token_id=eot_id,
+                                  eos_token_id=eot_id)
+    hf_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = hf_model.load_state_dict(native.to_hf(state, model_config), strict=False)
+    tied = ["lm_head.weight"] if config.tie_word_embeddings else []
+    if missing != tied or unexpected:
+        raise ExportError(f"the {model_type} mapping does not cover the model: missing {missing}, "
+                          f"unexpected {unexpected}")
+    hf_model.generation_config.pad_token_id = eot_id
+    hf_model.save_pretrained(out, safe_serialization=True)
+
+
+GENERATED_MODULE = '''"""Hugging Face classes of an exported {family} model, generated by pretrain.export: the
+wrapper of modeling.py bound to the family's config class ({config_module}.py)."""
+from .modeling import ExportedConfig, ExportedForCausalLM
+from .{config_module} import {config_class}
+
+# From a local directory, Hugging Face copies only the modules that this file imports itself:
+# one name of each further module the model's code imports.
+{carried_imports}
+
+
+class {prefix}HFConfig(ExportedConfig):
+    model_type = "{model_type}"
+
+
+class {prefix}ForCausalLM(ExportedForCausalLM):
+    config_class = {prefix}HFConfig
+    family_config_class = {config_class}
+
+
+# save_pretrained of a loaded model then writes these files and the auto_map again
+{prefix}HFConfig.register_for_auto_class()
+{prefix}ForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+'''
+
+
+def save_with_code(state: dict[str, torch.Tensor], model_config: Any, flavor: str, out: Path, eot_id: int) -> None:
+    from transformers import GenerationConfig
+
+    from pretrain.hf.modeling import ExportedConfig
+
+    family = family_name(model_config)
+    config_cls = type(model_config)
+    config_module = config_cls.__module__.rsplit(".", 1)[1]
+    prefix = model_class(model_config).__name__
+    module = f"modeling_{family}"
+    sources = carried_sources([config_cls.__module__, WRAPPER_MODULE])
+    for name, text in sources.items():
+        (out / name).write_text(text)
+    carried_imports = "\n".join(f"from .{name.removesuffix('.py')} import {first_definition(text)}  # noqa: F401"
+                                 for name, text in sorted(sources.items())
+                                 if name not in (f"{config_module}.py", "modeling.py"))
+    (out / f"{module}.py").write_text(GENERATED_MODULE.format(
+        family=family, config_module=config_module, config_class=config_cls.__name__, prefix=prefix,
+        model_type=REMOTE_MODEL_TYPE.format(family=family), carried_imports=carried_imports))
+    config = ExportedConfig(family=family, flavor=flavor, model_config=dataclasses.asdict(model_config),
+                            architectures=[f"{prefix}ForCausalLM"], bos_token_id=eot_id, eos_token_id=eot_id,
+                            pad_token_id=eot_id, dtype="float32",
+                            auto_map={"AutoConfig": f"{module}.{prefix}HFConfig",
+                                      "AutoModelForCausalLM": f"{module}.{prefix}ForCausalLM"})
+    config_dict = {**config.to_diff_dict(), "model_type": REMOTE_MODEL_TYPE.format(family=family)}
+    (out / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
+    tensors = {CODE_PREFIX + name: t.detach().clone().contiguous() for name, t in state.items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    GenerationConfig(bos_token_id=eot_id, eos_token_id=eot_id, pad_token_id=eot_id,
+                     use_cache=False).save_pretrained(out)
+
+
+def imported_modules(source: str) -> list[str]:
+    """Every absolute import of a module's source, also those inside functions."""
+    names = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names.append(node.module)
+    return names
+
+
+def first_definition(source: str) -> str:
+    """The name of the first class or function a module defines."""
+    return next(node.name for node in ast.parse(source).body
+                if isinstance(node, (ast.ClassDef, ast.FunctionDef)))
+
+
+def carried_sources(modules: list[str]) -> dict[str, str]:
+    """File name -> source of `modules` and of every pretrain.models module they import,
+    transitively, with those imports made relative (one flat directory, as Hugging Face's
+    dynamic modules require). Anything else they import must be the standard library, torch or
+    transformers: an export must load without this repository or its training dependencies."""
+    todo, sources = list(modules), {}
+    while todo:
+        module = todo.pop()
+        file_name = module.rsplit(".", 1)[1] + ".py"
+        if file_name in sources:
+            continue
+        text = Path(importlib.util.find_spec(module).origin).read_text(encoding="utf-8")
+        for imported in imported_modules(text):
+            top = imported.split(".")[0]
+            if imported.startswith(MODELS_PACKAGE + ".") and imported.count(".") == 2:
+                todo.append(imported)
+            elif top == "pretrain" or (top not in sys.stdlib_module_names and top not in CARRIED_PACKAGES):
+                raise ExportError(f"{module} imports {imported}; exported modeling code may import only "
+                                  f"the standard library, {', '.join(sorted(CARRIED_PACKAGES))} and "
+                                  f"{MODELS_PACKAGE}.<module> (as 'from {MODELS_PACKAGE}.<module> import ...')")
+        relative = PACKAGE_IMPORT.sub(r"\1from .\2 import", text)
+        left = [m for m in imported_modules(relative) if m.split(".")[0] == "pretrain"]
+        if left:
+            raise ExportError(f"{module}: import of {left[0]} not in the form "
+                              f"'from {MODELS_PACKAGE}.<module> import ...', which the export rewrites")
+        sources[file_name] = relative
+    return sources
+
+
+def save_tokenizer(manifest: dict, out: Path, block_size: int) -> None:
+    """The training data's tokenizer as a Hugging Face fast tokenizer: GPT-2's BPE from the same
+    files the data pipeline reads, or the char / word vocabulary of the manifest."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import GPT2TokenizerFast, PreTrainedTokenizerFast
+
+    from data_pipeline.tokenizer import _gpt2_files_dir, tokenizer_from_spec
+
+    kind = manifest["tokenizer"]
+    if kind == "gpt2":
+        files = Path(_gpt2_files_dir())
+        tokenizer = GPT2TokenizerFast(vocab_file=str(files / "encoder.json"), merges_file=str(files / "vocab.bpe"),
+                                      model_max_length=block_size, clean_up_tokenization_spaces=False)
+    else:
+        ours = tokenizer_from_spec(manifest)
+        if kind == "char":
+            eot = "<|endoftext|>"
+            vocab = {c: i for i, c in enumerate(ours.chars)} | {eot: ours.eot_id}
+            pre_tokenizer, decoder = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated"), decoders.Fuse()
+        elif kind == "listops":
+            eot = ours.vocab[ours.eot_id]
+            vocab = dict(ours.index)
+            pre_tokenizer, decoder = pre_tokenizers.WhitespaceSplit(), None  # decoding joins with spaces
+        else:
+            raise ExportError(f"tokenizer {kind!r} of the training data has no Hugging Face form")
+        # no unknown token: text outside the vocabulary fails to encode, as in the data pipeline
+        backend = Tokenizer(models.WordLevel(vocab, unk_token=None))
+        backend.pre_tokenizer = pre_tokenizer
+        if decoder is not None:
+            backend.decoder = decoder
+        tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=eot, bos_token=eot,
+                                            model_max_length=block_size, clean_up_tokenization_spaces=False)
+    tokenizer.save_pretrained(out)
+
+
+def _run_summary(trained: TrainedModel) -> dict | None:
+    """The run's summary.json when it describes the exported checkpoint's step."""
+    tag_dir = trained.source
+    file = tag_dir.parent.parent / SUMMARY_FILE if tag_dir.parent.name == "ckpt" else None
+    if file is None or not file.is_file():
+        return None
+    summary = json.loads(file.read_text())
+    return summary if summary.get("steps") == trained.step else None
+
+
+def model_card(trained: TrainedModel, model_config: Any, not_native: str | None, out: Path, command: str) -> str:
+    """README.md of the export: what the model is, what it was trained on, how it did."""
+    family, run, model = family_name(model_config), trained.run_config, trained.model
+    summary = _run_summary(trained) or {}
+    manifest = trained.manifest
+    data, train = run.get("data", {}), run.get("train", {})
+    if "tokens_seen" in summary:
+        tokens = f"{summary['tokens_seen']:,}"
+    else:
+        tokens = f"{trained.step * train.get('global_batch_size', 0) * data.get('seq_len', 0):,} (steps x tokens per step)"
+    splits = manifest.get("splits", {})
+    rows = [
+        {"": "family", "value": family},
+        {"": "flavor", "value": trained.flavor + (" (with overrides, see config.json)" if run.get("model", {}).get("overrides") else "")},
+        {"": "parameters", "value": f"{model.num_params():,} ({model.num_params(non_embedding=True):,} non-embedding)"},
+        {"": "training steps", "value": f"{trained.step:,}"},
+        {"": "tokens seen", "value": tokens},
+        {"": "data", "value": f"{manifest.get('source', data.get('path'))}, {manifest['tokenizer']} tokenizer "
+                              f"(vocabulary {manifest['vocab_size']}), windows of {manifest.get('seq_len')} tokens"
+                              + (f", {splits['train']['tokens']:,} training tokens" if "train" in splits else "")},
+        {"": "final val loss", "value": _number(summary.get("final_val_loss"))},
+        {"": "best val loss", "value": _number(summary.get("best_val_loss"))},
+        {"": "final train loss", "value": _number(summary.get("final_train_loss"))},
+    ]
+    if summary.get("think_losses"):
+        rows.append({"": "EBT val loss after 1..N think steps",
+                     "value": " ".join(f"{x:.4f}" for x in summary["think_losses"])})
+    downstream = {k: v for k, v in summary.items() if k.startswith("downstream")}
+    remote = not_native is not None
+    load = ("from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+            f"model = AutoModelForCausalLM.from_pretrained(\"{out.name}\"{', trust_remote_code=True' if remote else ''})\n"
+            f"tokenizer = AutoTokenizer.from_pretrained(\"{out.name}\")")
+    architecture = (f"Native `{native.ARCHITECTURES[native.HF_MODEL_TYPES[family]]}`." if not remote else
+                    f"Custom code (`modeling_{family}.py`, `modeling.py` and the model's own modules in this "
+                    f"directory; they need only torch and transformers): {not_native}. `generate()` "
+                    "recomputes the whole context for each token"
+                    + (f"; each token is predicted by {model_config.n_steps} descent steps (thinking)"
+                       if family == "ebt" else "") + ".")
+    lines = [
+        "---", "library_name: transformers", f"tags: [{family}, pretrain]", "---", "",
+        f"# {trained.flavor} (step {trained.step})", "",
+        f"A language model of the `{family}` family, trained with this project's pretraining pipeline. "
+        f"{architecture}", "",
+        markdown_table(rows), "## Use", "", "```python", load, "```", "",
+        "The tokenizer gives the training data's token ids. The pipeline encodes `<|endoftext|>` inside "
+        "text as ordinary text; pass `split_special_tokens=True` to the tokenizer for the same ids there.", "",
+    ]
+    if downstream:
+        lines += ["## Downstream results", "", "```json", json.dumps(downstream, indent=2, sort_keys=True), "```", ""]
+    lines += ["## Provenance", "",
+              f"Checkpoint `{trained.source}`; `training_run.json` holds the run's resolved config, the model "
+              "config and the data manifest. Trained with `python -m pretrain.train` on that config.", ""]
+    if command:
+        lines += ["Exported with:", "", "```", command, "```", ""]
+    return "\n".join(lines)
+
+
+def _number(value: float | None) -> str:
+    return "not recorded" if value is None else f"{value:.4f}"

@@ -1,0 +1,91 @@
+"""Read a local Hugging Face directory into one of our models: a native GPT-2 or Llama
+checkpoint of matching shape, or an export of this project (`model.init_from`, `load_trained`)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pretrain.hf import native
+from pretrain.models import family_name
+from pretrain.trained import LoadError, load_weights
+
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+RUN_FILE = "training_run.json"
+"""Written by the export (`pretrain.hf.export`): what the directory was made from."""
+CODE_PREFIX = "model."
+"""State-dict prefix of the exports that carry their code (`modeling.ExportedForCausalLM.model`)."""
+
+
+def is_hf_directory(path: Path) -> bool:
+    return path.is_dir() and (path / "config.json").is_file()
+
+
+def read_config(directory: Path) -> dict[str, Any]:
+    """config.json; for native types as transformers reads it (its defaults filled in)."""
+    raw = json.loads((directory / "config.json").read_text())
+    if raw.get("model_type") in native.ARCHITECTURES:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(str(directory), local_files_only=True).to_dict()
+    return raw
+
+
+def read_export(directory: Path) -> dict[str, Any]:
+    """The training_run.json of an export of this project."""
+    file = directory / RUN_FILE
+    if not file.is_file():
+        raise LoadError(f"{directory}: a Hugging Face directory without {RUN_FILE}, i.e. not written by "
+                        "pretrain.export (to train from it, use model.init_from)")
+    return json.loads(file.read_text())
+
+
+def read_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the directory's safetensors weights (one file or an indexed set)."""
+    from safetensors.torch import load_file
+
+    if (directory / WEIGHTS_FILE).is_file():
+        return load_file(str(directory / WEIGHTS_FILE))
+    if (directory / WEIGHTS_INDEX).is_file():
+        files = sorted(set(json.loads((directory / WEIGHTS_INDEX).read_text())["weight_map"].values()))
+        return {name: t for file in files for name, t in load_file(str(directory / file)).items()}
+    raise LoadError(f"{directory}: no {WEIGHTS_FILE} (or {WEIGHTS_INDEX}); only safetensors weights are read")
+
+
+def tensors_for(directory: Path, model_config: Any) -> tuple[dict[str, torch.Tensor], dict[str, str], list[str]]:
+    """(tensors under our state_dict keys, our key -> the name in the directory, notes) for a
+    model of `model_config`; raises LoadError when the directory's model computes another
+    function than a model of that config would."""
+    config = read_config(directory)
+    model_type, family = config.get("model_type"), family_name(model_config)
+    tensors = read_tensors(directory)
+    if model_type in native.ARCHITECTURES:
+        if native.HF_MODEL_TYPES.get(family) != model_type:
+            raise LoadError(f"{directory} holds a {model_type} model; the run's family {family} "
+                            f"cannot load it (gpt loads gpt2, transformer_pp loads llama)")
+        errors, notes = native.config_mismatches(config, model_config)
+        if errors:
+            raise LoadError(f"{directory}: {errors[0]}")
+        ours, origin = native.from_hf(tensors, config, model_config)
+        return ours, origin, notes
+    if model_type == f"pretrain_{family}":
+        differing = sorted(k for k, v in config["model_config"].items() if getattr(model_config, k, v) != v)
+        notes = [f"the run's model differs from the export's config in {', '.join(differing)}"] if differing else []
+        ours = {name.removeprefix(CODE_PREFIX): t for name, t in tensors.items()}
+        return ours, {name.removeprefix(CODE_PREFIX): name for name in tensors}, notes
+    raise LoadError(f"{directory}: model_type {model_type!r} cannot be loaded into a {family} model "
+                    f"(expected gpt2 or llama of matching shape, or a {family} export of this project)")
+
+
+def load_pretrained_weights(model: torch.nn.Module, directory: str | Path) -> list[str]:
+    """`model.init_from`: load the directory's weights into the freshly built `model`; returns
+    notes to print (e.g. a tanh-approximate GELU loaded into an exact one)."""
+    directory = Path(directory)
+    if not is_hf_directory(directory):
+        raise LoadError(f"{directory}: not a Hugging Face model directory (no config.json)")
+    tensors, origin, notes = tensors_for(directory, model.config)
+    load_weights(model, tensors, directory, origin)
+    return [f"init_from {directory}: loaded {len(tensors)} tensors"] + [f"init_from {directory}: {n}" for n in notes]
