@@ -295,3 +295,19 @@ def test_resumed_eval_is_bit_identical_with_the_recipe_options(matrix, cell):
     name = runs.reference_name(cell, 2)
     reference, resumed = runs.scalars(name, "eval/loss"), runs.scalars(name + "-resumed", "eval/loss")
     assert resumed == {runs.N_STEPS: reference[runs.N_STEPS]}
+
+
+def test_paper_configs_use_their_papers_recipe():
+    from pathlib import Path
+
+    for path in sorted((Path(__file__).resolve().parent.parent / "configs" / "owt").glob("*.yaml")):
+        cfg = load_config(path)
+        family = cfg.model.flavor.split("-")[0]
+        if family in ("ebt", "transformer_pp"):  # the EBT scripts: 0.01 on all but alpha
+            assert (cfg.optimizer.decay, cfg.optimizer.weight_decay) == ("all", 0.01), path
+        else:  # nanoGPT and the NRGPT authors' nanoGPT-derived script
+            assert (cfg.optimizer.decay, cfg.optimizer.weight_decay) == ("nanogpt", 0.1), path
+        if family == "nrgpt":
+            assert cfg.model.overrides["dropout_placement"] == "attention", path
+        if family == "gpt_rec":
+            assert cfg.model.overrides["qkv_bias"] is False, path
