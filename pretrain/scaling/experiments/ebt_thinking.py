@@ -1,4 +1,4 @@
-"""EBT "thinking" (EBT paper): a tiny S2 model trained on GPT-2-tokenized Shakespeare with the
+"""EBT "thinking" (EBT paper): a tiny S2 model trained on character-level Shakespeare with the
 released S2 recipe (2 or 3 descent steps per batch, all on one energy landscape: one shared step
 embedding), then evaluated with more inference steps than training used, and with best-of-N: N
 seeded initial candidates per position, keeping the lowest final energy. Each is measured without
@@ -23,13 +23,14 @@ SWEEP = "configs/scaling/ebt_thinking.yaml"
 MAX_STEPS = 8
 BEST_OF = (1, 2, 4, 8)
 EVAL_BATCHES = 12
-EVAL_MICRO_BATCH = 4
-"""Sequences per think call: a candidate is B x T x 50304 floats per sample, times best-of."""
+EVAL_MICRO_BATCH = 16
+"""Sequences per think call: a candidate is B x T x V floats per sample, times best-of."""
 
 
 def thinking_curves(model, data_dir: str) -> dict:
-    """Per eval-noise setting ("off", "on"): val loss and mean energy after 1..MAX_STEPS steps,
-    and at the trained number of steps for each best-of-N, averaged over fixed val windows."""
+    """Per eval-noise setting ("off", "on"): val loss and mean energy of the final candidate
+    after 1..MAX_STEPS steps (energy_per_step[0]: of the initial candidates, without noise), and
+    at the trained number of steps for each best-of-N, averaged over fixed val windows."""
     from data_pipeline.loader import build_loader
 
     loader = build_loader(data_dir, "val", micro_batch_size=EVAL_MICRO_BATCH, seed=0,
@@ -43,9 +44,14 @@ def thinking_curves(model, data_dir: str) -> dict:
         best_loss = torch.zeros(len(BEST_OF), dtype=torch.float64)
         best_energy = torch.zeros(len(BEST_OF), dtype=torch.float64)
         for inputs, targets in batches:
-            out = model.think(inputs, steps=MAX_STEPS, targets=targets, langevin_noise=noise)
-            loss += out.loss_per_step.double()
-            energy += out.energies.double().mean(dim=(1, 2))
+            energy[0] += model.think(inputs, steps=1, langevin_noise=False).energies[0].double().mean()
+            # One call per step count, each ending with the energy of its final candidate: with
+            # noise, the energies a longer descent reports for its middle steps are those of the
+            # noised candidates. (The seeded noise makes the shorter descents prefixes of the longer.)
+            for k in range(1, MAX_STEPS + 1):
+                out = model.think(inputs, steps=k, targets=targets, langevin_noise=noise)
+                loss[k - 1] += out.loss_per_step[-1].double()
+                energy[k] += out.energies[-1].double().mean()
             for i, n in enumerate(BEST_OF):
                 out = model.think(inputs, steps=train_steps, best_of=n, targets=targets, langevin_noise=noise)
                 best_loss[i] += out.loss_per_step[-1].double()
@@ -79,8 +85,8 @@ def main() -> int:
                 f"{record.tokens_seen:,d} training tokens, best val loss during training "
                 f"{record.best_val_loss:.4f}. Evaluated on {curves['tokens']:,d} val tokens; eval noise "
                 f"'on' adds Langevin noise of std {curves['noise_std']:g} before each step. Mean energy "
-                f"of the initial candidates {curves['off']['energy_per_step'][0]:.4g} (noise off), "
-                f"{curves['on']['energy_per_step'][0]:.4g} (on).\n\n"
+                f"of the initial candidates {curves['off']['energy_per_step'][0]:.4g}; final_energy "
+                f"is that of the final candidate (without noise).\n\n"
                 + markdown_table(steps_rows, fmt) + "\n" + markdown_table(best_rows, fmt))
     figure = _figure(steps_rows, best_rows, (curves["train_min_steps"], train_steps))
     write_results(sweep, "ebt_thinking", markdown, steps_rows + best_rows, figure)
