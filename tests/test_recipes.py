@@ -55,19 +55,32 @@ def test_s2_descends_one_landscape_and_trains_every_parameter():
         assert p.grad is not None and p.grad.abs().sum() > 0, name
 
 
-def test_s2_observed_stream_reuse_is_exact_with_one_shared_step_embedding():
-    idx, targets = batch(s2())
-    results = []
-    for reuse in (True, False):
-        model = s2(reuse_observed_stream=reuse).train()
-        torch.manual_seed(5)
-        loss = model(idx, targets).loss
-        loss.backward()
-        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
-    (loss_a, grads_a), (loss_b, grads_b) = results
+def loss_and_grads(idx, targets, **overrides):
+    """One seeded S2 training forward and backward: (loss, parameter name -> gradient)."""
+    model = s2(**overrides).train()
+    torch.manual_seed(5)
+    loss = model(idx, targets).loss
+    loss.backward()
+    return loss.detach(), {name: p.grad for name, p in model.named_parameters()}
+
+
+def assert_same_training(first, second):
+    (loss_a, grads_a), (loss_b, grads_b) = first, second
     assert torch.allclose(loss_a, loss_b, atol=1e-12, rtol=0)
     for name in grads_a:
         assert torch.allclose(grads_a[name], grads_b[name], atol=1e-10, rtol=1e-8), name
+
+
+def test_s2_observed_stream_reuse_is_exact_with_one_shared_step_embedding():
+    idx, targets = batch(s2())
+    assert_same_training(loss_and_grads(idx, targets, reuse_observed_stream=True),
+                         loss_and_grads(idx, targets, reuse_observed_stream=False))
+
+
+def test_s2_step_checkpointing_changes_nothing_but_memory():
+    """(The paper config's mode; the observed stream, computed once, is checkpointed apart.)"""
+    idx, targets = batch(s2())
+    assert_same_training(loss_and_grads(idx, targets), loss_and_grads(idx, targets, activation_checkpointing="step"))
 
 
 @pytest.mark.parametrize("fields", [
@@ -311,3 +324,4 @@ def test_paper_configs_use_their_papers_recipe():
             assert cfg.model.overrides["dropout_placement"] == "attention", path
         if family == "gpt_rec":
             assert cfg.model.overrides["qkv_bias"] is False, path
+
