@@ -78,7 +78,7 @@ def test_s2_observed_stream_reuse_is_exact_with_one_shared_step_embedding():
 
 
 def test_s2_step_checkpointing_changes_nothing_but_memory():
-    """(The paper config's mode; the observed stream, computed once, is checkpointed apart.)"""
+    """(The S2 paper config's mode.)"""
     idx, targets = batch(s2())
     assert_same_training(loss_and_grads(idx, targets), loss_and_grads(idx, targets, activation_checkpointing="step"))
 
