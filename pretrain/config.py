@@ -86,8 +86,11 @@ class OptimizerSection:
     eps: float = 1e-8
     """AdamW epsilon."""
     weight_decay: float = 0.1
-    """Decoupled weight decay; never applied to norms, biases, embeddings and scalars such as
-    EBT's alpha (the model's `no_weight_decay_names`)."""
+    """Decoupled weight decay, applied to the parameters of the `decay` set."""
+    decay: str = "matrices"
+    """Which parameters weight decay applies to (`pretrain.optim.DECAY_SETS`): "matrices" (2-D
+    and larger except embeddings and an untied LM head), "nanogpt" (every tensor of 2 or more
+    dimensions) or "all" (everything but step sizes such as EBT's alpha)."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
     fused: bool | None = None
@@ -355,6 +358,8 @@ def validate(cfg: RunConfig, world_size: int, has_gpu: bool) -> None:
     require(cfg.optimizer.eps > 0, "optimizer.eps", "must be > 0")
     require(all(m > 0 for m in cfg.optimizer.lr_multipliers.values()), "optimizer.lr_multipliers",
             "factors must be > 0")
+    from pretrain.optim import DECAY_SETS  # imported late: optim imports this module
+    require(cfg.optimizer.decay in DECAY_SETS, "optimizer.decay", f"must be one of {', '.join(DECAY_SETS)}")
     require(cfg.schedule.kind in ("cosine", "exponential", "constant"), "schedule.kind",
             "must be 'cosine', 'exponential' or 'constant'")
     require(cfg.schedule.min_lr <= cfg.optimizer.lr, "schedule.min_lr",

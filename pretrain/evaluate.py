@@ -23,14 +23,23 @@ PROMPT_END = " \u27e8generated\u27e9 "
 @dataclass
 class EvalResult:
     loss: float
-    """Mean next-token cross entropy over the evaluated val tokens of all ranks."""
+    """Mean next-token cross entropy over the evaluated val tokens of all ranks (EBT: of the
+    final candidate, the model's prediction)."""
     think_losses: list[float] | None
     """EBT: val loss after 1, 2, ..., think_steps inference steps; None for other families."""
     sample: str | None
     """Prompt, PROMPT_END, generated continuation (rank 0's view; identical on every rank)."""
+    loss_mean_steps: float | None = None
+    """EBT: the cross entropy after each of the n_steps eval steps, averaged over the steps
+    (the S1 training objective, which the released code logs as its validation loss)."""
+    langevin_noise_std: float | None = None
+    """EBT: std of the Langevin noise the eval descent added (0: none)."""
 
     def scalars(self) -> dict[str, float]:
         values = {"eval/loss": self.loss, "eval/ppl": math.exp(min(self.loss, 50.0))}
+        if self.loss_mean_steps is not None:
+            values["eval/loss_mean_steps"] = self.loss_mean_steps
+            values["eval/langevin_noise_std"] = self.langevin_noise_std
         for k, loss in enumerate(self.think_losses or [], start=1):
             values[f"eval/think_loss/step_{k:02d}"] = loss
         return values
@@ -64,15 +73,19 @@ def evaluate(engine, val_loader, settings: EvalSection, device: torch.device, se
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed)
             # on the device: NCCL reduces only device tensors, and no host sync per batch
-            totals = torch.zeros(1 + (settings.think_steps if thinks else 0), dtype=torch.float64, device=device)
+            # loss, then for EBT the mean over steps and the thinking curve
+            totals = torch.zeros(1 + (1 + settings.think_steps if thinks else 0), dtype=torch.float64,
+                                 device=device)
             first_inputs = None
             for inputs, targets in islice(cycle(val_loader), settings.batches):
                 inputs, targets = inputs.to(device), targets.to(device)
                 first_inputs = inputs if first_inputs is None else first_inputs
-                totals[0] += engine(inputs, targets).loss.double()
+                out = engine(inputs, targets)
+                totals[0] += out.loss.double()
                 if thinks:
+                    totals[1] += out.diagnostics["loss_per_step"].double().mean()
                     curve = model.think(inputs, steps=settings.think_steps, targets=targets).loss_per_step
-                    totals[1:] += curve.double()
+                    totals[2:] += curve.double()
             dist.all_reduce(totals)
             means = (totals / (settings.batches * dist.get_world_size())).tolist()
             sample = None
@@ -85,4 +98,7 @@ def evaluate(engine, val_loader, settings: EvalSection, device: torch.device, se
                           + decode(ids[0, prompt.size(1):].tolist()))
     finally:
         engine.train()
-    return EvalResult(loss=means[0], think_losses=means[1:] or None, sample=sample)
+    if not thinks:
+        return EvalResult(loss=means[0], think_losses=None, sample=sample)
+    return EvalResult(loss=means[0], think_losses=means[2:], sample=sample, loss_mean_steps=means[1],
+                      langevin_noise_std=model.eval_noise_std())

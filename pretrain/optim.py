@@ -1,7 +1,7 @@
 """Optimizer parameter groups and learning-rate schedules.
 
-Groups: parameters with weight decay (`decay`), without (`no_decay`: norms, biases, embeddings,
-scalars; the model's `no_weight_decay_names`), and one group per learning-rate multiplier (the
+Groups: parameters with weight decay (`decay`), without (`no_decay`: what the decay set
+`optimizer.decay` exempts, see `DECAY_SETS`), and one group per learning-rate multiplier (the
 model's `lr_multipliers()` such as EBT's alpha, and `optimizer.lr_multipliers` patterns).
 
 The schedule is a pure function of the optimizer step, applied by the training loop before
@@ -18,6 +18,26 @@ import torch.nn as nn
 from pretrain.config import ConfigError, OptimizerSection, ScheduleSection, ZeroSection
 
 
+DECAY_SETS = {
+    "matrices": "tensors of 2 or more dimensions except the embedding tables and an untied LM head",
+    "nanogpt": "every tensor of 2 or more dimensions, embeddings and LM head included (nanoGPT)",
+    "all": "every parameter except step sizes such as EBT's alpha (the EBT and NRGPT ListOps scripts)",
+}
+"""`optimizer.decay` -> the parameters it decays (with `optimizer.weight_decay`)."""
+
+
+def undecayed_names(model: nn.Module, decay_set: str) -> set[str]:
+    """Names of the parameters `decay_set` (a key of DECAY_SETS) trains without weight decay."""
+    exempt = model.never_decayed_names()
+    if decay_set == "matrices":
+        return exempt | model.no_weight_decay_names()
+    if decay_set == "nanogpt":
+        return exempt | {name for name, p in model.named_parameters() if p.ndim < 2}
+    if decay_set == "all":
+        return exempt
+    raise ValueError(f"unknown decay set {decay_set!r}: one of {', '.join(DECAY_SETS)}")
+
+
 @dataclass
 class GroupInfo:
     name: str
@@ -29,7 +49,7 @@ class GroupInfo:
 def param_groups(model: nn.Module, opt: OptimizerSection) -> tuple[list[dict], list[GroupInfo]]:
     """Torch optimizer groups (`params`, `weight_decay`, `lr`) and their names/multipliers, in
     the same order. A multiplier group holding both decayed and undecayed parameters is split."""
-    no_decay = model.no_weight_decay_names()
+    no_decay = undecayed_names(model, opt.decay)
     source = {name: (name, mult) for name, mult in model.lr_multipliers().items()}
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     for pattern, mult in opt.lr_multipliers.items():

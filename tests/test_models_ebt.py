@@ -448,7 +448,7 @@ def test_step_conditioning_gives_each_step_its_own_energy_landscape():
     assert torch.equal(energies[2], energies[3])  # steps beyond n_steps reuse the last embedding
 
 
-@pytest.mark.parametrize("overrides", [{}, {**S2_OPTIONS, **STEP_CONDITIONED}])
+@pytest.mark.parametrize("overrides", [{}, {**S2_OPTIONS, **STEP_CONDITIONED, "step_embeddings": "shared"}])
 @pytest.mark.parametrize("mode", ["step", "block"])
 def test_activation_checkpointing_changes_nothing_but_memory(overrides, mode):
     idx, targets = data(tiny())

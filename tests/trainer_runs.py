@@ -25,9 +25,15 @@ REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 FAMILIES = {"gpt": "gpt-tiny", "nrgpt": "nrgpt-tiny", "ebt": "ebt-tiny"}
 STAGES = (1, 2, 3)
-EXTRA_CELLS = {"ebt_s2": ("ebt-s2-tiny", 2)}
-"""Beyond families x stages: EBT's S2 recipe (random step counts and step sizes, Langevin
-noise, a replay buffer that differs per rank) under ZeRO-2."""
+EXTRA_CELLS = {
+    "ebt_s2": ("ebt-s2-tiny", 2, ["optimizer.decay=all", "optimizer.weight_decay=0.01"]),
+    "nrgpt_released": ("nrgpt-tiny", 2, ["model.overrides.dropout=0.1",
+                                         "model.overrides.dropout_placement=attention", "optimizer.decay=nanogpt"]),
+}
+"""Beyond families x stages, under ZeRO-2 (flavor, stage, overrides): EBT's S2 recipe (random
+step counts and step sizes, Langevin noise also at eval, a replay buffer that differs per rank,
+decay on all but alpha) and NRGPT with the released code's dropout placement and nanoGPT's
+decay set."""
 N_STEPS = 12
 """Steps of every test run; checkpoints every CKPT_INTERVAL steps."""
 CKPT_INTERVAL = 4
@@ -84,8 +90,10 @@ def base_config_file() -> Path:
 
 
 def run_overrides(family: str, stage: int) -> list[str]:
-    flavor = FAMILIES[family] if family in FAMILIES else EXTRA_CELLS[family][0]
-    return [f"model.flavor={flavor}", f"zero.stage={stage}"]
+    if family in FAMILIES:
+        return [f"model.flavor={FAMILIES[family]}", f"zero.stage={stage}"]
+    flavor, _, extra = EXTRA_CELLS[family]
+    return [f"model.flavor={flavor}", f"zero.stage={stage}", *extra]
 
 
 def lower_priority() -> None:
@@ -166,7 +174,7 @@ def scalars(name: str, tag: str) -> dict[int, float]:
 
 def matrix_cells() -> list[tuple[str, int]]:
     return [(family, stage) for family in FAMILIES for stage in STAGES] + \
-        [(name, stage) for name, (_, stage) in EXTRA_CELLS.items()]
+        [(name, stage) for name, (_, stage, _) in EXTRA_CELLS.items()]
 
 
 def reference_name(family: str, stage: int) -> str:

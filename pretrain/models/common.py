@@ -47,6 +47,10 @@ class LanguageModel(nn.Module):
         embedding_ids = {id(p) for p in self.embedding_parameters()}
         return {n for n, p in self.named_parameters() if p.ndim < 2 or id(p) in embedding_ids}
 
+    def never_decayed_names(self) -> set[str]:
+        """Names of parameters no weight-decay set decays (step sizes such as EBT's alpha)."""
+        return set()
+
     def lr_multipliers(self) -> dict[str, float]:
         """Parameter name -> learning-rate multiplier, for parameters that need their own LR."""
         return {}

@@ -21,6 +21,7 @@ as one leaf module (`autograd.grad` inside a forward needs the parameters whole)
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
@@ -82,11 +83,17 @@ class EBTConfig(LlamaConfig):
     drawn from the buffer and restarted from their stored final candidates."""
     time_embed: bool = False
     """Step conditioning: a learned embedding of the step index is prepended to the observed
-    stream as token 0 (the released scripts' "time_embed"); steps beyond n_steps reuse the
-    last embedding. The observed stream then depends on the step and is recomputed per step."""
+    stream as token 0 (the released scripts' "time_embed")."""
+    step_embeddings: str = "per_step"
+    """With time_embed: one row per step index ("per_step", steps beyond n_steps reuse the last;
+    the observed stream then depends on the step) or one row for every step ("shared", the
+    released S2 script: all its 2-3 steps descend one energy landscape). Per-step rows with
+    truncate_loss are refused unless min_steps = 1: rows that never end a training descent
+    would never receive a gradient."""
     reuse_observed_stream: bool = True
     """Compute the observed stream's keys/values once per batch and reuse them in every step
-    (exact without time_embed). False recomputes them per step, as the released code."""
+    (exact unless the step embedding changes per step). False recomputes them per step, as
+    the released code."""
     expected_embedding: bool = False
     """Embed the candidate with the input embedding table (p @ W_e) instead of a learned V x D
     matrix W_ve."""
@@ -95,13 +102,23 @@ class EBTConfig(LlamaConfig):
     (released code), or w.r.t. the logits y and update y <- y - alpha dE/dy ("logits", the
     paper's pseudocode)."""
     eval_seed: int = 0
-    """Seed of the initial candidate noise at eval and in `think`, so that evaluation is
-    reproducible and does not consume the training RNG."""
+    """Seed of the initial candidate noise at eval and in `think` (eval_seed + 1: their Langevin
+    noise), so that evaluation is reproducible and does not consume the training RNG."""
+    langevin_noise_eval: bool = False
+    """Add the Langevin noise at eval and in `think` too, as the released code's validation
+    does; False adds it in training only."""
+    init: str = "scaled"
+    """"scaled": N(0, init_std) weights, residual projections at init_std / sqrt(2 n_layer),
+    energy head at init_std / alpha; "authors": the released code's Xavier-normal for every
+    linear map (candidate embedding and energy head included), N(0, 1) token and step
+    embeddings, no scaling."""
 
     def __post_init__(self):
         super().__post_init__()
         check_positive(self, "n_steps", "alpha", "alpha_lr_mult", "alpha_randomize", "candidate_init_std")
         check_choice(self, "grad_wrt", ("probs", "logits"))
+        check_choice(self, "step_embeddings", ("per_step", "shared"))
+        check_choice(self, "init", ("scaled", "authors"))
         if not 0 <= self.min_steps <= self.n_steps:
             raise ValueError(f"EBTConfig.min_steps must be in [0, n_steps={self.n_steps}], got {self.min_steps}")
         if self.alpha_randomize < 1:
@@ -110,14 +127,27 @@ class EBTConfig(LlamaConfig):
             raise ValueError("EBTConfig.langevin_noise_std and replay_buffer_size must be >= 0")
         if not 0 < self.replay_fraction <= 1:
             raise ValueError(f"EBTConfig.replay_fraction must be in (0, 1], got {self.replay_fraction}")
-        if self.time_embed and self.reuse_observed_stream:
-            raise ValueError("EBTConfig.reuse_observed_stream needs time_embed=False: step conditioning "
-                             "makes the observed stream depend on the step")
+        if self.step_embeddings == "shared" and not self.time_embed:
+            raise ValueError("EBTConfig.step_embeddings='shared' needs time_embed=True")
+        per_step = self.time_embed and self.step_embeddings == "per_step"
+        if per_step and self.reuse_observed_stream:
+            raise ValueError("EBTConfig.reuse_observed_stream needs time_embed=False or step_embeddings="
+                             "'shared': per-step conditioning makes the observed stream depend on the step")
+        shortest = self.min_steps or self.n_steps
+        if per_step and self.truncate_loss and shortest > 1:
+            raise ValueError(f"EBTConfig.step_embeddings='per_step' with truncate_loss and at least {shortest} "
+                             f"training steps: step embedding rows 0..{shortest - 2} never end a descent, so "
+                             "they never receive a gradient; use step_embeddings='shared' or min_steps=1")
 
     @property
     def n_prefix(self) -> int:
         """Tokens before the observed sequence in the observed stream (the step embedding)."""
         return 1 if self.time_embed else 0
+
+    @property
+    def n_step_embeddings(self) -> int:
+        """Rows of the step embedding table (with time_embed)."""
+        return 1 if self.step_embeddings == "shared" else self.n_steps
 
 
 def stream_attention(stream: str) -> Callable:
@@ -212,6 +242,17 @@ def restore_rng_state(state, device: torch.device) -> None:
         torch.cuda.set_rng_state(state[1], device)
 
 
+@contextlib.contextmanager
+def seeded_rng(seed: int, device: torch.device):
+    """Inside: the global RNG of the CPU (and of `device`) seeded with `seed`; restored after."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.default_generator.manual_seed(seed)
+        if device.type == "cuda":
+            torch.cuda.default_generators[device.index if device.index is not None
+                                          else torch.cuda.current_device()].manual_seed(seed)
+        yield
+
+
 def pairs(flat) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return list(zip(flat[0::2], flat[1::2]))
 
@@ -225,7 +266,7 @@ class EnergyDescent(nn.Module):
         D, V = config.n_embd, config.vocab_size
         self.tok_embeddings = nn.Embedding(V, D)
         self.candidate_embedding = None if config.expected_embedding else nn.Linear(V, D, bias=False)
-        self.time_embeddings = nn.Embedding(config.n_steps, D) if config.time_embed else None
+        self.time_embeddings = nn.Embedding(config.n_step_embeddings, D) if config.time_embed else None
         self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.norm = RMSNorm(D, config.norm_eps)
         self.energy_head = nn.Linear(D, 1, bias=False)
@@ -248,7 +289,7 @@ class EnergyDescent(nn.Module):
         if anchor is not None:
             x = x + anchor.sum()  # adds 0; see `forward`
         if self.time_embeddings is not None:
-            step_index = idx.new_full((idx.size(0), 1), min(step, self.config.n_steps - 1))
+            step_index = idx.new_full((idx.size(0), 1), min(step, self.config.n_step_embeddings - 1))
             x = torch.cat([self.time_embeddings(step_index), x], dim=1)
         rope = self._rope(0, x.size(1), x)
         checkpointed = self.config.activation_checkpointing == "block"
@@ -387,11 +428,18 @@ class EBT(LanguageModel):
         super().__init__()
         self.config = config
         self.descent = EnergyDescent(config)
-        init_weights(self, config)
-        # The first step moves the candidate by alpha * dE/dp, which is proportional to the
-        # energy head: scaling it by 1/alpha keeps that first move the size it has at alpha = 1
-        # (with N(0, init_std), ebt-s1-small's first-step loss was 1054 nats, ~100 ln V).
-        nn.init.normal_(self.descent.energy_head.weight, std=config.init_std / config.alpha)
+        if config.init == "authors":
+            for module in self.modules():
+                if isinstance(module, nn.Linear):
+                    nn.init.xavier_normal_(module.weight)
+                elif isinstance(module, nn.Embedding):
+                    nn.init.normal_(module.weight, std=1.0)
+        else:
+            init_weights(self, config)
+            # The first step moves the candidate by alpha * dE/dp, which is proportional to the
+            # energy head: scaling it by 1/alpha keeps that first move the size it has at alpha = 1
+            # (with N(0, init_std), ebt-s1-small's first-step loss was 1054 nats, ~100 ln V).
+            nn.init.normal_(self.descent.energy_head.weight, std=config.init_std / config.alpha)
         rows, T, V = config.replay_buffer_size, config.block_size, config.vocab_size
         if rows:
             # Per-rank training state, saved with the module (see docs/design.md, EBT).
@@ -426,6 +474,15 @@ class EBT(LanguageModel):
         if not self.training or r == 1:
             return None
         return 1 / r + torch.rand(rows, length, 1, device=device) * (r - 1 / r)
+
+    def eval_noise_std(self) -> float:
+        """Std of the Langevin noise outside training (0 unless `langevin_noise_eval`)."""
+        return self.config.langevin_noise_std if self.config.langevin_noise_eval else 0.0
+
+    def eval_noise_rng(self, noise_std: float, device: torch.device):
+        """Context of a descent outside training: with Langevin noise, the global RNG seeded
+        with eval_seed + 1 (reproducible, the training RNG untouched); otherwise nothing."""
+        return seeded_rng(self.config.eval_seed + 1, device) if noise_std else contextlib.nullcontext()
 
     # --- replay buffer --------------------------------------------------------------------
 
@@ -475,11 +532,12 @@ class EBT(LanguageModel):
             all_idx, all_targets, candidate = self.add_replay_rows(idx, targets, candidate)
         learning = self.training and torch.is_grad_enabled()
         anchor = torch.zeros(0, device=idx.device, requires_grad=True) if learning else None
-        result = self.descent(
-            all_idx, candidate, self.sample_num_steps(), anchor, targets=all_targets,
-            alpha_scale=self.sample_alpha_scale(all_idx.size(0), T, idx.device),
-            noise_std=cfg.langevin_noise_std if self.training else 0.0,
-            learning=learning)
+        noise_std = cfg.langevin_noise_std if self.training else self.eval_noise_std()
+        with contextlib.nullcontext() if self.training else self.eval_noise_rng(noise_std, idx.device):
+            result = self.descent(
+                all_idx, candidate, self.sample_num_steps(), anchor, targets=all_targets,
+                alpha_scale=self.sample_alpha_scale(all_idx.size(0), T, idx.device),
+                noise_std=noise_std, learning=learning)
         if replay:
             self.store_replay_rows(idx, targets, result.candidate[:B])
         diagnostics = {"energy": result.energies.mean(dim=(1, 2)), "alpha": result.alpha}
@@ -497,10 +555,12 @@ class EBT(LanguageModel):
 
     @torch.no_grad()
     def think(self, idx: torch.Tensor, steps: int | None = None, best_of: int = 1,
-              targets: torch.Tensor | None = None, last_only: bool = False) -> ThinkOutput:
+              targets: torch.Tensor | None = None, last_only: bool = False,
+              langevin_noise: bool | None = None) -> ThinkOutput:
         """Inference with `steps` descent steps (default n_steps; more is "thinking longer")
         from `best_of` seeded noise samples per position, keeping per position the sample with
-        the lowest final energy. No training randomness. `targets` [B, T] adds the loss after
+        the lowest final energy. No training randomness; Langevin noise (seeded) if
+        `langevin_noise`, default `langevin_noise_eval`. `targets` [B, T] adds the loss after
         each step (the eval "thinking curve"); `last_only` predicts only the last position."""
         steps = steps or self.config.n_steps
         B, T = idx.shape
@@ -509,7 +569,11 @@ class EBT(LanguageModel):
         candidate = self.initial_candidate(best_of * B, rows, idx.device, seeded=True)
         if targets is not None:
             targets = targets[:, T - rows:].repeat(best_of, 1)
-        result = self.descent(idx.repeat(best_of, 1), candidate, steps, targets=targets, final_energy=True)
+        noise_std = self.eval_noise_std() if langevin_noise is None else \
+            (self.config.langevin_noise_std if langevin_noise else 0.0)
+        with self.eval_noise_rng(noise_std, idx.device):
+            result = self.descent(idx.repeat(best_of, 1), candidate, steps, targets=targets,
+                                  noise_std=noise_std, final_energy=True)
         choice = result.energies[-1].view(best_of, B, rows).argmin(dim=0)  # [B, rows]
 
         def chosen(x: torch.Tensor, sample_dim: int) -> torch.Tensor:
@@ -535,6 +599,9 @@ class EBT(LanguageModel):
 
     def lr_multipliers(self) -> dict[str, float]:
         return {"descent.alpha": self.config.alpha_lr_mult} if self.config.alpha_learnable else {}
+
+    def never_decayed_names(self) -> set[str]:
+        return {"descent.alpha"} if self.config.alpha_learnable else set()
 
     def zero3_leaf_modules(self) -> list[type[nn.Module]]:
         return [EnergyDescent]
@@ -579,19 +646,24 @@ class EBT(LanguageModel):
 
 register_family("ebt", EBTConfig, EBT)
 
-# The paper's recipes at "small" (12L/768/12h; 126.8M with the two V x D tables at V=50304), with
-# step conditioning as the released scripts (S1: 2 steps, learnable alpha 500 with LR x1500, detach,
-# mean CE; S2: 2..3 steps, fixed alpha 5 randomised in [2.5, 10], Langevin noise 3, keep graph,
-# last-step loss, replay buffer).
+# The paper's recipes at "small" (12L/768/12h; 126.8M with the two V x D tables at V=50304), as the
+# released scripts. S1: a step embedding per step, 2 steps, learnable alpha 500 with LR x1500,
+# detach, mean CE. S2 (`--mcmc_num_steps 1 --randomize_mcmc_num_steps 2 --randomize_mcmc_num_steps_min
+# 2`): one step embedding shared by 2..3 steps (3 at eval), so every step descends one landscape and
+# the observed stream is computed once; fixed alpha 5 randomised in [2.5, 10]; Langevin noise 3,
+# at eval too; graph kept through the steps; last-step loss; half the batch again replayed from a
+# FIFO of the last 192 rows (at T=1024, V=50304: 39.6 GB in fp32 per rank, in checkpoints too).
 S1 = dict(n_steps=2, alpha=500.0, alpha_learnable=True, alpha_lr_mult=1500.0)
 S2 = dict(n_steps=3, min_steps=2, alpha=5.0, alpha_learnable=False, alpha_randomize=2.0,
-          langevin_noise_std=3.0, detach_between_steps=False, truncate_loss=True, replay_fraction=0.25)
-STEP_CONDITIONED = dict(time_embed=True, reuse_observed_stream=False)
+          langevin_noise_std=3.0, langevin_noise_eval=True, detach_between_steps=False, truncate_loss=True,
+          time_embed=True, step_embeddings="shared", replay_fraction=0.5)
+STEP_CONDITIONED = dict(time_embed=True, step_embeddings="per_step", reuse_observed_stream=False)
 register_flavor("ebt-s1-small", EBTConfig(**S1, **STEP_CONDITIONED))
-register_flavor("ebt-s2-small", EBTConfig(**S2, **STEP_CONDITIONED, replay_buffer_size=8))
+register_flavor("ebt-s2-small", EBTConfig(**S2, replay_buffer_size=192))
 # CPU sizes (the trainer sets vocab_size from data). ebt-tiny is S1 on the fast path (observed
-# stream reused, no step embedding); ebt-s2-tiny is the full S2 recipe with step conditioning.
+# stream reused, no step embedding); ebt-s2-tiny is the S2 recipe with a FIFO of 48 rows (six
+# batches of 8, the released ratio of 192 rows to batches of 32).
 TINY = dict(vocab_size=512, block_size=64, n_layer=2, n_head=2, n_embd=32)
 register_flavor("ebt-tiny", EBTConfig(**TINY, **S1))
-register_flavor("ebt-s2-tiny", EBTConfig(**TINY, **S2, **STEP_CONDITIONED, replay_buffer_size=32))
+register_flavor("ebt-s2-tiny", EBTConfig(**TINY, **S2, replay_buffer_size=48))
 register_flavor("ebt-mini", EBTConfig(vocab_size=512, block_size=256, n_layer=4, n_head=4, n_embd=64, **S1))

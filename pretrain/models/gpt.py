@@ -24,6 +24,9 @@ class GPTConfig(LMConfig):
     """MLP non-linearity: "gelu" (GPT-2) or "relu" (the released NRGPT code's baselines)."""
     bias: bool = True
     """Biases in the linear layers and LayerNorms."""
+    qkv_bias: bool = True
+    """With `bias`, also a bias in the query/key/value projection (the released GPT_Rec has
+    none there, while its other layers have one)."""
 
     def __post_init__(self):
         super().__post_init__()
@@ -57,7 +60,7 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.n_head = config.n_head
         self.dropout = config.dropout
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias and config.qkv_bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 

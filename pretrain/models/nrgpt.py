@@ -62,6 +62,10 @@ class NRGPTConfig(LMConfig):
     """Learnable additive bias after the norm (released code: yes)."""
     log_energy: bool = False
     """Always compute per-step energies (otherwise only when forward gets return_energies)."""
+    dropout_placement: str = "embeddings"
+    """Where `dropout` applies: "embeddings" (the summed token and position embeddings only) or
+    "attention" (the released code: each head's attention probabilities and the summed
+    attention term, at every step; nothing on the embeddings)."""
 
     def __post_init__(self):
         super().__post_init__()
@@ -74,6 +78,7 @@ class NRGPTConfig(LMConfig):
         check_choice(self, "ff_act", ("gelu", "relu"))
         check_choice(self, "eta", ("full", "diag_gamma", "scalar"))
         check_choice(self, "norm", ("layernorm", "rmsnorm"))
+        check_choice(self, "dropout_placement", ("embeddings", "attention"))
         if self.attention == "lowrank" and self.n_embd % self.n_head:
             raise ValueError(f"NRGPTConfig.n_head={self.n_head} must divide n_embd={self.n_embd} "
                              "for lowrank attention")
@@ -109,6 +114,7 @@ class EnergyAttention(nn.Module):
         self.key = nn.Linear(D, H * head_dim, bias=False)
         self.query = nn.Linear(D, H * head_dim, bias=False) if self.lowrank else None
         self.alpha = nn.Parameter(torch.ones(H)) if self.lowrank else None
+        self.dropout = config.dropout if config.dropout_placement == "attention" else 0.0
 
     def project(self, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Queries [B, H, T, d] (for `full` g itself, expanded over heads) and keys [B, H, T, d]."""
@@ -155,21 +161,24 @@ class EnergyAttention(nn.Module):
         """[B, T, D] closed-form dE_AT(A)/dg_A for every token A."""
         q, k = self.project(g)
         q_seen, k_seen = self.key_sets(q, k)
+        dropout = self.dropout if self.training else 0.0
         if self.explicit:
             # The scores as a tensor: the same FLOPs as attention, O(T^2) memory per head, no
             # fused kernel. (torch's softmax accumulates bf16 in float32, as the fused kernels.)
             p = torch.softmax(self.masked_scores(q_seen, k_seen), dim=-1)
+            if dropout:
+                p = F.dropout(p, dropout)
             mixed, p_self = MixAndSelfWeight.apply(p, k_seen)
         elif q_seen.size(2) == 0:  # strict mask, one token: no keys at all
             mixed = q_seen
         else:
             mixed = F.scaled_dot_product_attention(q_seen, k_seen, k_seen, is_causal=True,
-                                                   scale=self.beta)
+                                                   scale=self.beta, dropout_p=dropout)
         mixed = self.weighted(self.pad_first(mixed))
         grad = -(merge_heads(mixed) @ self.query.weight if self.lowrank else mixed.sum(dim=1))
         if self.self_term:
             grad = grad - merge_heads(self.weighted(p_self * q)) @ self.key.weight
-        return grad
+        return F.dropout(grad, dropout) if dropout else grad
 
 
 class MixAndSelfWeight(torch.autograd.Function):
@@ -366,6 +375,8 @@ class Recurrence(nn.Module):
 class NRGPT(LearnedPositionLM):
     def __init__(self, config: NRGPTConfig):
         super().__init__(config)
+        if config.dropout_placement == "attention":
+            self.drop = nn.Identity()  # the released code drops nothing on the embeddings
         self.recurrence = Recurrence(config)
         self.init_weights()
 

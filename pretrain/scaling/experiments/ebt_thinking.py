@@ -1,6 +1,8 @@
-"""EBT "thinking" (EBT paper): a tiny S2 model trained on GPT-2-tokenized Shakespeare, then
-evaluated with more inference (descent) steps than most training batches used (2 or 3), and with
-best-of-N: N seeded initial candidates per position, keeping the lowest final energy.
+"""EBT "thinking" (EBT paper): a tiny S2 model trained on character-level Shakespeare with the
+released S2 recipe (2 or 3 descent steps per batch, all on one energy landscape: one shared step
+embedding), then evaluated with more inference steps than training used, and with best-of-N: N
+seeded initial candidates per position, keeping the lowest final energy. Each is measured without
+and with the Langevin noise at evaluation (the released code adds it in validation too).
 
 The paper's claim at scale: more steps give lower energy and lower loss, and best-of-N helps
 further. Here every number is on the same fixed val windows.
@@ -18,60 +20,73 @@ from pretrain.scaling.experiments.common import (train_and_evaluate,
 from pretrain.scaling.report import pyplot
 
 SWEEP = "configs/scaling/ebt_thinking.yaml"
-MAX_STEPS = 6
-BEST_OF = (1, 2, 4)
+MAX_STEPS = 8
+BEST_OF = (1, 2, 4, 8)
 EVAL_BATCHES = 12
-EVAL_MICRO_BATCH = 4
-"""Sequences per think call: a candidate is B x T x 50304 floats per sample, times best-of."""
+EVAL_MICRO_BATCH = 16
+"""Sequences per think call: a candidate is B x T x V floats per sample, times best-of."""
 
 
 def thinking_curves(model, data_dir: str) -> dict:
-    """Val loss and mean energy after 1..MAX_STEPS steps, and at the trained number of steps
-    for each best-of-N, averaged over fixed val windows."""
+    """Per eval-noise setting ("off", "on"): val loss and mean energy of the final candidate
+    after 1..MAX_STEPS steps (energy_per_step[0]: of the initial candidates, without noise), and
+    at the trained number of steps for each best-of-N, averaged over fixed val windows."""
     from data_pipeline.loader import build_loader
 
     loader = build_loader(data_dir, "val", micro_batch_size=EVAL_MICRO_BATCH, seed=0,
                           shuffle=True, num_workers=0)
     batches = list(islice(loader, EVAL_BATCHES))
     train_steps = model.config.n_steps
-    loss = torch.zeros(MAX_STEPS, dtype=torch.float64)
-    energy = torch.zeros(MAX_STEPS + 1, dtype=torch.float64)
-    best_loss = torch.zeros(len(BEST_OF), dtype=torch.float64)
-    best_energy = torch.zeros(len(BEST_OF), dtype=torch.float64)
-    for inputs, targets in batches:
-        out = model.think(inputs, steps=MAX_STEPS, targets=targets)
-        loss += out.loss_per_step.detach().double()
-        energy += out.energies.detach().double().mean(dim=(1, 2))
-        for i, n in enumerate(BEST_OF):
-            out = model.think(inputs, steps=train_steps, best_of=n, targets=targets)
-            best_loss[i] += out.loss_per_step[-1].detach().double()
-            best_energy[i] += out.energies[-1].detach().double().mean()
-    n = len(batches)
-    return {"loss_per_step": (loss / n).tolist(), "energy_per_step": (energy / n).tolist(),
-            "best_of_loss": (best_loss / n).tolist(), "best_of_energy": (best_energy / n).tolist(),
-            "train_steps": train_steps, "train_min_steps": model.config.min_steps,
-            "tokens": n * EVAL_MICRO_BATCH * inputs.size(1)}
+    curves = {}
+    for setting, noise in (("off", False), ("on", True)):
+        loss = torch.zeros(MAX_STEPS, dtype=torch.float64)
+        energy = torch.zeros(MAX_STEPS + 1, dtype=torch.float64)
+        best_loss = torch.zeros(len(BEST_OF), dtype=torch.float64)
+        best_energy = torch.zeros(len(BEST_OF), dtype=torch.float64)
+        for inputs, targets in batches:
+            energy[0] += model.think(inputs, steps=1, langevin_noise=False).energies[0].double().mean()
+            # One call per step count, each ending with the energy of its final candidate: with
+            # noise, the energies a longer descent reports for its middle steps are those of the
+            # noised candidates. (The seeded noise makes the shorter descents prefixes of the longer.)
+            for k in range(1, MAX_STEPS + 1):
+                out = model.think(inputs, steps=k, targets=targets, langevin_noise=noise)
+                loss[k - 1] += out.loss_per_step[-1].double()
+                energy[k] += out.energies[-1].double().mean()
+            for i, n in enumerate(BEST_OF):
+                out = model.think(inputs, steps=train_steps, best_of=n, targets=targets, langevin_noise=noise)
+                best_loss[i] += out.loss_per_step[-1].double()
+                best_energy[i] += out.energies[-1].double().mean()
+        n = len(batches)
+        curves[setting] = {"loss_per_step": (loss / n).tolist(), "energy_per_step": (energy / n).tolist(),
+                           "best_of_loss": (best_loss / n).tolist(),
+                           "best_of_energy": (best_energy / n).tolist()}
+    return {**curves, "train_steps": train_steps, "train_min_steps": model.config.min_steps,
+            "noise_std": model.config.langevin_noise_std, "tokens": len(batches) * EVAL_MICRO_BATCH * inputs.size(1)}
 
 
 def main() -> int:
     sweep, runs = train_and_evaluate(
-        SWEEP, "ebt_thinking",
+        SWEEP, "ebt_thinking_one_landscape",
         lambda run, run_dir: thinking_curves(trained_model(run_dir), run.config["data"]["path"]))
     (run,) = runs
     record, curves = run.record, run.evaluation
     train_steps = curves["train_steps"]
-    steps_rows = [{"steps": k + 1, "best_of": 1, "val_loss": loss, "ppl": math.exp(loss),
-                   "final_energy": curves["energy_per_step"][k + 1]}
-                  for k, loss in enumerate(curves["loss_per_step"])]
-    best_rows = [{"steps": train_steps, "best_of": n, "val_loss": loss, "ppl": math.exp(loss),
-                  "final_energy": energy}
-                 for n, loss, energy in zip(BEST_OF, curves["best_of_loss"],
-                                            curves["best_of_energy"])]
+    steps_rows, best_rows = [], []
+    for setting in ("off", "on"):
+        curve = curves[setting]
+        steps_rows += [{"eval_noise": setting, "steps": k + 1, "best_of": 1, "val_loss": loss,
+                        "ppl": math.exp(loss), "final_energy": curve["energy_per_step"][k + 1]}
+                       for k, loss in enumerate(curve["loss_per_step"])]
+        best_rows += [{"eval_noise": setting, "steps": train_steps, "best_of": n, "val_loss": loss,
+                       "ppl": math.exp(loss), "final_energy": energy}
+                      for n, loss, energy in zip(BEST_OF, curve["best_of_loss"], curve["best_of_energy"])]
     fmt = {"val_loss": ".4f", "ppl": ".1f", "final_energy": ".4g"}
     markdown = (f"Run {record.run_name}: {record.params:,d} parameters, "
                 f"{record.tokens_seen:,d} training tokens, best val loss during training "
-                f"{record.best_val_loss:.4f}. Evaluated on {curves['tokens']:,d} val tokens; "
-                f"mean energy of the initial candidates {curves['energy_per_step'][0]:.4g}.\n\n"
+                f"{record.best_val_loss:.4f}. Evaluated on {curves['tokens']:,d} val tokens; eval noise "
+                f"'on' adds Langevin noise of std {curves['noise_std']:g} before each step. Mean energy "
+                f"of the initial candidates {curves['off']['energy_per_step'][0]:.4g}; final_energy "
+                f"is that of the final candidate (without noise).\n\n"
                 + markdown_table(steps_rows, fmt) + "\n" + markdown_table(best_rows, fmt))
     figure = _figure(steps_rows, best_rows, (curves["train_min_steps"], train_steps))
     write_results(sweep, "ebt_thinking", markdown, steps_rows + best_rows, figure)
@@ -80,23 +95,27 @@ def main() -> int:
 
 def _figure(steps_rows, best_rows, trained_steps: tuple[int, int]):
     plt = pyplot()
-    fig, (ax_steps, ax_best) = plt.subplots(1, 2, figsize=(8.4, 3.4))
-    steps = [r["steps"] for r in steps_rows]
-    ax_steps.plot(steps, [r["val_loss"] for r in steps_rows], "o-", label="val loss")
-    ax_steps.axvspan(*trained_steps, color="0.88", label="steps used in training")
-    ax_energy = ax_steps.twinx()
-    ax_energy.plot(steps, [r["final_energy"] for r in steps_rows], "s--", color="C1",
-                   label="energy after step")
-    ax_energy.set_ylabel("mean energy", color="C1")
-    ax_steps.set_xlabel("inference (descent) steps")
+    fig, (ax_steps, ax_energy, ax_best) = plt.subplots(1, 3, figsize=(11.5, 3.4))
+    for color, setting in (("C0", "off"), ("C1", "on")):
+        rows = [r for r in steps_rows if r["eval_noise"] == setting]
+        steps = [r["steps"] for r in rows]
+        ax_steps.plot(steps, [r["val_loss"] for r in rows], "o-", color=color, label=f"eval noise {setting}")
+        ax_energy.plot(steps, [r["final_energy"] for r in rows], "s--", color=color,
+                       label=f"eval noise {setting}")
+        best = [r for r in best_rows if r["eval_noise"] == setting]
+        ax_best.plot([r["best_of"] for r in best], [r["val_loss"] for r in best], "o-", color=color,
+                     label=f"eval noise {setting}")
+    for ax in (ax_steps, ax_energy):
+        ax.axvspan(*trained_steps, color="0.88", label="steps used in training")
+        ax.set_xlabel("inference (descent) steps")
     ax_steps.set_ylabel("val loss")
-    ax_steps.legend(fontsize=8, loc="upper right")
-    ax_best.plot([r["best_of"] for r in best_rows], [r["val_loss"] for r in best_rows], "o-")
+    ax_energy.set_ylabel("mean energy after the step")
     ax_best.set_xscale("log", base=2)
     ax_best.set_xlabel(f"best of N candidates ({trained_steps[1]} steps)")
     ax_best.set_ylabel("val loss")
-    for ax in (ax_steps, ax_best):
+    for ax in (ax_steps, ax_energy, ax_best):
         ax.grid(True, alpha=0.3)
-    fig.suptitle("EBT S2 (tiny): thinking longer and best-of-N", fontsize=10)
+        ax.legend(fontsize=7)
+    fig.suptitle("EBT S2 (tiny, one energy landscape): thinking longer and best-of-N", fontsize=10)
     fig.tight_layout()
     return fig
