@@ -290,12 +290,13 @@ def fingerprint_change(recorded: dict, current: dict) -> str | None:
                     f"(revision {current.get('revision') or 'default branch'})")
         return None
     old, new = recorded.get("files", {}), current.get("files", {})
-    changes = [f"{path} removed" for path in old if path not in new]
-    changes += [f"{path} added" for path in new if path not in old]
+    changes = []
     for path in (p for p in old if p in new and old[p] != new[p]):
         what = [f"{key} {old[path][key]} -> {new[path][key]}" for key in ("size", "mtime_ns")
                 if old[path][key] != new[path][key]]
         changes.append(f"{path}: {', '.join(what) or 'contents changed'}")
+    changes += [f"{path} added" for path in new if path not in old]
+    changes += [f"{path} removed" for path in old if path not in new]
     if not changes:
         return None
     more = f" (and {len(changes) - 1} more)" if len(changes) > 1 else ""

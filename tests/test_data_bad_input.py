@@ -115,3 +115,49 @@ def test_command_line_exit_status(tmp_path):
     assert done.stderr.strip().splitlines() == [
         f"error: jsonl:{tmp_path}/missing.jsonl: no such file or directory"]
     assert not os.path.exists(tmp_path / "o")
+
+
+def test_failure_in_a_tokenizer_process_reads_like_one_in_the_main_process(tmp_path, capsys):
+    """The token-id check runs where the tokenizing does: in a worker with --num-proc 2."""
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    corpus = many_characters(inputs)
+    errors = []
+    for num_proc in ("1", "2"):
+        code = main(["--source", f"text:{corpus}", "--tokenizer", "char", "--out",
+                     str(tmp_path / "out"), "--seq-len", "8", "--val-fraction", "0",
+                     "--num-proc", num_proc])
+        errors.append(capsys.readouterr().err)
+        assert code == 1
+    assert errors[0] == errors[1]
+    assert errors[0].count("\n") == 1 and errors[0].startswith("error: token id 70000")
+    assert sorted(os.listdir(tmp_path)) == ["inputs"]
+
+
+def test_lone_surrogates_are_replaced_and_counted(tmp_path, capsys):
+    # Raw lines: JSON escapes of a lone high and a lone low surrogate, and a valid pair (an
+    # emoji), which is one character and no replacement.
+    lines = [r'{"text": "broken \ud800 high"}', r'{"text": "and \udfff low, \ud83c\udfad fine"}']
+    corpus = write(tmp_path / "s.jsonl", "\n".join(lines + [json.dumps(r) for r in GOOD]) + "\n")
+    code, err, out = run_cli(capsys, tmp_path, "--source", f"jsonl:{corpus}", "--num-proc", "2")
+    assert code == 0, err
+    manifest = json.load(open(os.path.join(out, "manifest.json")))
+    assert manifest["lone_surrogate_replacements"] == 2
+    assert manifest["invalid_utf8_replacements"] == 0
+    assert manifest["splits"]["train"]["docs"] == len(GOOD) + 2
+    from data_pipeline.sources import parse_source
+    docs = list(parse_source(f"jsonl:{corpus}").documents())
+    assert docs[:2] == ["broken \ufffd high", "and \ufffd low, \U0001F3AD fine"]
+
+
+def test_jsonl_and_text_files_may_start_with_a_byte_order_mark(tmp_path, capsys):
+    from data_pipeline.sources import parse_source
+    bom = b"\xef\xbb\xbf"
+    corpus = write(tmp_path / "b.jsonl", bom + "".join(json.dumps(r) + "\n" for r in GOOD).encode())
+    code, err, out = run_cli(capsys, tmp_path, "--source", f"jsonl:{corpus}")
+    assert code == 0, err
+    assert json.load(open(os.path.join(out, "manifest.json")))["splits"]["train"]["docs"] == len(GOOD)
+    text = write(tmp_path / "t.txt", bom + "first paragraph\n\nsecond".encode())
+    for unit in ("file", "paragraph"):
+        docs = list(parse_source(f"text:{text}", text_unit=unit).documents())
+        assert docs[0].startswith("first paragraph") and "\ufeff" not in "".join(docs)
