@@ -51,6 +51,20 @@ class ModelSection:
 
 
 @dataclass
+class MixtureEntry:
+    path: str = ""
+    """Prepared dataset directory whose train split is part of the mixture (same tokenizer and
+    seq_len as `data.path`)."""
+    proportion: float | None = None
+    """Relative share of each epoch's training windows (normalized over the entries; an epoch
+    holds as many windows as the datasets together). Give every entry a proportion, or every
+    entry a repeat."""
+    repeat: float | None = None
+    """Instead of a proportion: how often each epoch reads this dataset (2: every window twice,
+    0.5: a fresh random half each epoch)."""
+
+
+@dataclass
 class DataSection:
     path: str = ""
     """Prepared dataset directory (manifest.json, train/, val/), relative to the working directory."""
@@ -67,6 +81,14 @@ class DataSection:
     """Sequences per forward/backward pass on one process."""
     num_workers: int = 2
     """Data loader worker processes per training process."""
+    revision: str | None = None
+    """Hub sources: the branch, tag or commit `source` is prepared from (None: default branch)."""
+    overwrite: bool = False
+    """Rebuild the dataset at `path` from `source` when it was prepared with other settings or
+    from another state of the source (the default refuses to start)."""
+    mixture: list[MixtureEntry] = field(default_factory=list)
+    """Train on a mixture of prepared datasets instead of `path`'s train split (evaluation
+    still reads `path`'s val split); empty: no mixture."""
 
 
 @dataclass
@@ -315,6 +337,8 @@ def _check_type(value: Any, hint: Any, key: str, origin) -> Any:
         return _check_type(value, inner, key, origin)
     if hint is Any:
         return value
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, key + ".", origin)
     if hint is bool:
         return value if isinstance(value, bool) else fail("true or false")
     if hint is int:
