@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import io
 import lzma
+import os
 import re
 import tarfile
 from dataclasses import dataclass
@@ -141,3 +142,34 @@ def archive_documents(archive: Archive) -> Iterator[bytes]:
 def normalize_document(text: str) -> str:
     """A tarball document as OpenWebText's loading script yields it."""
     return _BLANK_RUNS.sub("\n\n", text).strip()
+
+
+def _tar_bytes(members: list[tuple[str, bytes]]) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+def write_tarball_layout(root: str, texts: list[bytes], docs_per_archive: int,
+                         archives_per_tarball: int) -> None:
+    """Write `texts` as OpenWebText's raw layout under `root` (a local stand-in for the hub
+    repository, for tests and benchmarks): `subsets/urlsf_subsetNN.tar`, each holding
+    `openwebtext/urlsf_subsetNN-K_data.xz` archives of `.txt` files, beside a loading script."""
+    os.makedirs(os.path.join(root, TARBALL_DIR))
+    with open(os.path.join(root, "openwebtext.py"), "w") as f:
+        f.write("# the loading script that datasets >= 4 refuses to run\n")
+    archives = [texts[i:i + docs_per_archive] for i in range(0, len(texts), docs_per_archive)]
+    for first in range(0, len(archives), archives_per_tarball):
+        subset = first // archives_per_tarball
+        members = []
+        for k, archive in enumerate(archives[first:first + archives_per_tarball], start=1):
+            inner = _tar_bytes([(f"{subset:04d}{k:03d}{j:04d}-page.txt", text)
+                                for j, text in enumerate(archive)])
+            members.append((f"openwebtext/urlsf_subset{subset:02d}-{k}_data.xz",
+                            lzma.compress(inner)))
+        with open(os.path.join(root, TARBALL_DIR, f"urlsf_subset{subset:02d}.tar"), "wb") as f:
+            f.write(_tar_bytes(members))

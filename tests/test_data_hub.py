@@ -6,9 +6,7 @@ for the real hub: the raw layout (a loading script beside `subsets/*.tar`, each 
 archives of `.txt` documents) and a data-files layout (parquet). Both must give the documents a
 direct read of the files gives, in the same order.
 """
-import io
 import json
-import lzma
 import os
 import re
 import tarfile
@@ -18,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from data_pipeline.hub import HubRepo
+from data_pipeline.hub import HubRepo, write_tarball_layout
 from data_pipeline.prepare import main, prepare
 from data_pipeline.sources import DataError, parse_source
 
@@ -32,32 +30,9 @@ def raw_texts(docs: list[str]) -> list[bytes]:
     return [f"\n {doc}\n\n\n\n(end of page {i})\n\n".encode() for i, doc in enumerate(docs)]
 
 
-def tar_bytes(members: list[tuple[str, bytes]]) -> bytes:
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w") as tar:
-        for name, data in members:
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return buffer.getvalue()
-
-
-def write_tarball_repo(root, texts: list[bytes], per_archive: int = 40,
-                       archives_per_tarball: int = 3) -> None:
-    """subsets/urlsf_subsetNN.tar, each holding openwebtext/urlsf_subsetNN-K_data.xz archives."""
-    (root / "subsets").mkdir(parents=True)
-    (root / "openwebtext.py").write_text("# the loading script datasets >= 4 refuses to run\n")
+def write_tarball_repo(root, texts: list[bytes], per_archive: int = 40) -> None:
+    write_tarball_layout(str(root), texts, docs_per_archive=per_archive, archives_per_tarball=3)
     (root / "README.md").write_text("---\nlicense: cc0-1.0\n---\n")
-    archives = [texts[i:i + per_archive] for i in range(0, len(texts), per_archive)]
-    for t in range(0, len(archives), archives_per_tarball):
-        subset = t // archives_per_tarball
-        members = []
-        for k, archive in enumerate(archives[t:t + archives_per_tarball], start=1):
-            inner = tar_bytes([(f"{subset:04d}{k:03d}{j:04d}-page.txt", text)
-                               for j, text in enumerate(archive)])
-            members.append((f"openwebtext/urlsf_subset{subset:02d}-{k}_data.xz",
-                            lzma.compress(inner)))
-        (root / "subsets" / f"urlsf_subset{subset:02d}.tar").write_bytes(tar_bytes(members))
 
 
 def read_tarballs_directly(root) -> list[str]:
