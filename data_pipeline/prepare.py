@@ -260,9 +260,18 @@ def _limit(units: Iterable[str | Archive], max_docs: int | None) -> Iterator[str
 
 
 def _char_vocabulary(source: Source, max_docs: int | None) -> list[str]:
+    """The sorted characters of every document a tokenizer process will see: the first
+    `max_docs`, and the rest of the archive the last of them is in (archives are tokenized
+    whole, then cut)."""
     chars: set[str] = set()
-    for doc in _limit(source.documents(), max_docs):
-        chars.update(doc)
+    count = 0
+    for unit in _limit(source.work_units(), max_docs):
+        if max_docs is not None and count >= max_docs:
+            break
+        docs = [unit] if isinstance(unit, str) else [d for d in archive_texts(unit, SourceStats()) if d]
+        for doc in docs:
+            chars.update(doc)
+        count += len(docs)
     check_uint16(len(chars), "char")  # the end-of-document id comes after the characters
     return sorted(chars)
 

@@ -161,3 +161,33 @@ def test_jsonl_and_text_files_may_start_with_a_byte_order_mark(tmp_path, capsys)
     for unit in ("file", "paragraph"):
         docs = list(parse_source(f"text:{text}", text_unit=unit).documents())
         assert docs[0].startswith("first paragraph") and "\ufeff" not in "".join(docs)
+
+
+def test_any_exception_in_a_unit_of_work_becomes_one_line():
+    from data_pipeline.prepare import _init_worker, _tokenize_unit
+    from data_pipeline.sources import DataError
+
+    _init_worker({"tokenizer": "char", "chars": ["a"]}, 0.0)
+    with pytest.raises(DataError) as failure:
+        _tokenize_unit(["aab"])
+    assert str(failure.value) == ("tokenizing a chunk of 1 documents failed: ValueError: "
+                                  "character 'b' is not in the char vocabulary")
+
+
+def test_a_killed_tokenizer_process_fails_the_run_instead_of_hanging():
+    import signal
+
+    from data_pipeline.prepare import _tokenized_chunks
+    from data_pipeline.sources import DataError
+    from trainer_runs import process_tree
+
+    docs = [f"document {i} " * 40 for i in range(256 * 40)]  # 40 chunks, 12 in flight
+    before = set(process_tree(os.getpid()))
+    results = _tokenized_chunks(iter(docs), {"tokenizer": "gpt2"}, 0.0, num_proc=2)
+    next(results)
+    workers = sorted(set(process_tree(os.getpid())) - before)
+    assert len(workers) == 2
+    os.kill(workers[0], signal.SIGKILL)
+    with pytest.raises(DataError, match=r"^a tokenizer process died \(killed, e.g. out of memory\)"):
+        for _ in results:
+            pass

@@ -152,3 +152,13 @@ def test_revision_is_for_hub_sources_only(tmp_path, capsys):
     assert code == 1
     assert capsys.readouterr().err.strip() == (f"error: --revision applies to hub sources "
                                                f"(openwebtext, hf:NAME), not jsonl:{corpus}")
+
+
+def test_char_vocabulary_covers_the_archive_cut_by_max_docs(tarball_repo, tmp_path):
+    """Workers tokenize whole archives before the --max-docs cut: the vocabulary must hold the
+    characters of the rest of the last archive too."""
+    manifest = prepare("openwebtext", str(tmp_path / "char"), num_proc=2, max_docs=45,
+                       tokenizer="char", hub_repo=local_repo(tarball_repo), **SETTINGS)
+    docs = read_tarballs_directly(tarball_repo)
+    assert sum(split["docs"] for split in manifest["splits"].values()) == 45
+    assert set("".join(docs[:45])) <= set(manifest["chars"]) <= set("".join(docs[:80]))
