@@ -166,7 +166,7 @@ def hub_layouts(copies: int, rounds: int, num_proc: int) -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         _, docs = write_corpus(tmp, copies)
-        layouts = {"tarballs": os.path.join(tmp, "tarballs"), "parquet": os.path.join(tmp, "parquet")}
+        layouts = {name: os.path.join(tmp, name) for name in ("tarballs", "parquet")}
         write_tarball_layout(layouts["tarballs"], [d.encode() for d in docs], OWT_DOCS_PER_ARCHIVE,
                              archives_per_tarball=4)
         os.makedirs(os.path.join(layouts["parquet"], "plain_text"))
@@ -196,10 +196,11 @@ def hub_layouts(copies: int, rounds: int, num_proc: int) -> None:
                 per_wall, per_cpu = timed(lambda: prepare_from(name))
                 wall[name].append(per_wall)
                 cpu[name].append(per_cpu)
-    assert len(fingerprints["tarballs"] | fingerprints["parquet"]) == 1, "layouts gave other data"
+    if len(fingerprints["tarballs"] | fingerprints["parquet"]) != 1:
+        raise SystemExit("error: the two layouts gave different datasets")
     for name in layouts:
-        print(f"prepare openwebtext from {name:9s} {statistics.median(wall[name]):>12,.0f} tokens/s "
-              f"{statistics.median(cpu[name]):>12,.0f} per CPU-s   (wall range "
+        print(f"prepare openwebtext from {name:9s} {statistics.median(wall[name]):>12,.0f} "
+              f"tokens/s {statistics.median(cpu[name]):>12,.0f} per CPU-s   (wall range "
               f"{min(wall[name]):,.0f}-{max(wall[name]):,.0f})")
     print("tarballs/parquet: " + ", ".join(
         f"{statistics.median(a / b for a, b in zip(r['tarballs'], r['parquet'])):.2f} {kind}"

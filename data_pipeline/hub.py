@@ -136,7 +136,8 @@ def archive_documents(archive: Archive) -> Iterator[bytes]:
                 if member.isfile() and member.name.endswith(".txt"):
                     yield inner.extractfile(member).read()
     except (lzma.LZMAError, tarfile.TarError, EOFError) as err:
-        raise DataError(f"{archive.name} is not an xz-compressed tar of .txt files ({err})") from err
+        raise DataError(f"{archive.name} is not an xz-compressed tar of .txt files ({err})"
+                        ) from err
 
 
 def normalize_document(text: str) -> str:

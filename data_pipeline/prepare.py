@@ -101,14 +101,15 @@ class ChunkResult:
     def first_docs(self, count: int) -> "ChunkResult":
         """This result cut after its first `count` documents (for --max-docs)."""
         kept = [int(np.sum(self.doc_splits[:count] == s)) for s in range(len(SPLITS))]
-        return ChunkResult([t[:e[k - 1]] if k else t[:0] for t, e, k in zip(self.tokens, self.doc_ends, kept)],
-                           [e[:k] for e, k in zip(self.doc_ends, kept)],
+        tokens = [t[:e[k - 1]] if k else t[:0] for t, e, k in zip(self.tokens, self.doc_ends, kept)]
+        return ChunkResult(tokens, [e[:k] for e, k in zip(self.doc_ends, kept)],
                            [b[:k] for b, k in zip(self.doc_bytes, kept)],
                            self.doc_splits[:count], self.stats)
 
     def parts(self) -> list[tuple[np.ndarray, int, int]]:
         """(tokens, documents, UTF-8 bytes) per split, as `write_splits` takes them."""
-        return [(t, len(e), int(b.sum())) for t, e, b in zip(self.tokens, self.doc_ends, self.doc_bytes)]
+        return [(tokens, len(ends), int(sizes.sum()))
+                for tokens, ends, sizes in zip(self.tokens, self.doc_ends, self.doc_bytes)]
 
 
 def _tokenize_docs(docs: list[str], stats: SourceStats) -> ChunkResult:
@@ -268,7 +269,8 @@ def _char_vocabulary(source: Source, max_docs: int | None) -> list[str]:
     for unit in _limit(source.work_units(), max_docs):
         if max_docs is not None and count >= max_docs:
             break
-        docs = [unit] if isinstance(unit, str) else [d for d in archive_texts(unit, SourceStats()) if d]
+        docs = [unit] if isinstance(unit, str) else [
+            doc for doc in archive_texts(unit, SourceStats()) if doc]
         for doc in docs:
             chars.update(doc)
         count += len(docs)

@@ -123,7 +123,8 @@ class Source:
     @property
     def is_hub(self) -> bool:
         """Read from the hub (not a local dataset folder)."""
-        return self.kind == "openwebtext" or (self.kind == "hf" and not os.path.exists(self.hf_name))
+        local_folder = self.kind == "hf" and os.path.exists(self.hf_name)
+        return self.kind == "openwebtext" or (self.kind == "hf" and not local_folder)
 
     def repo(self):
         """The hub repository of a hub source, at its resolved commit."""
@@ -282,7 +283,8 @@ def file_fingerprint(path: str) -> dict:
         for offset in sorted(offsets):
             f.seek(offset)
             digest.update(f.read(FINGERPRINT_BLOCK_BYTES))
-    return {"size": info.st_size, "mtime_ns": info.st_mtime_ns, "sampled_sha256": digest.hexdigest()}
+    return {"size": info.st_size, "mtime_ns": info.st_mtime_ns,
+            "sampled_sha256": digest.hexdigest()}
 
 
 def fingerprint_change(recorded: dict, current: dict) -> str | None:
