@@ -33,6 +33,8 @@ TARBALL_DIR = "subsets"
 """Folder of the raw subset tarballs in the tarball layout."""
 DATA_FILE_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json"}
 """Data file endings and the `datasets` builder that streams them (first match wins)."""
+METADATA_FILES = ("dataset_infos.json", "dataset_info.json", "dataset_dict.json", "state.json")
+"""JSON files `datasets` writes about a dataset, never data (script repos often hold the first)."""
 READ_BLOCK = 8 << 20
 """Bytes fetched per request when reading a tarball (HfFileSystem reads over HTTP ranges)."""
 _BLANK_RUNS = re.compile("\n\n\n+")
@@ -93,7 +95,7 @@ class Layout:
 
 def detect_layout(repo: HubRepo) -> Layout:
     """The repository's layout; DataError if it has neither data files nor subset tarballs."""
-    files = repo.files()
+    files = [f for f in repo.files() if os.path.basename(f) not in METADATA_FILES]
     for ending, builder in DATA_FILE_BUILDERS.items():
         data_files = [f for f in files if f.endswith(ending)]
         if data_files:

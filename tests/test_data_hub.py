@@ -33,6 +33,8 @@ def raw_texts(docs: list[str]) -> list[bytes]:
 def write_tarball_repo(root, texts: list[bytes], per_archive: int = 40) -> None:
     write_tarball_layout(str(root), texts, docs_per_archive=per_archive, archives_per_tarball=3)
     (root / "README.md").write_text("---\nlicense: cc0-1.0\n---\n")
+    # Script repositories often carry the metadata file `datasets` wrote: JSON, but not data.
+    (root / "dataset_infos.json").write_text('{"plain_text": {"description": "OpenWebText"}}')
 
 
 def read_tarballs_directly(root) -> list[str]:
