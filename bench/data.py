@@ -1,6 +1,6 @@
 """Data pipeline throughput, measured side by side on the same cores in one run.
 
-    python -m bench.data [--copies 4] [--rounds 3] [--num-proc 2] [--memory]
+    python -m bench.data [--copies 4] [--rounds 3] [--num-proc 2] [--memory | --hub-layouts]
 
 Corpus: the bundled Shakespeare scenes, `--copies` times over (real text, ~5 MB per copy),
 written as JSON Lines to a temporary directory. Each round measures, one after the other:
@@ -21,6 +21,14 @@ Targets: prepare/raw >= 0.8 (seq_len 1024); loader >= 10x the fastest tiny train
 processes and prints their peak resident memory. The MDS writer buffers one shard before writing
 it, so memory is bounded by the shard size, not the corpus: with 16 MB shards here, the peak must
 stop growing once the corpus fills a shard (10 copies already hold ~30 MB of tokens).
+
+`--hub-layouts` instead writes the corpus's documents in both layouts of a hub repository (see
+data_pipeline/hub.py) on local disk, served through fsspec as the hub's are: OpenWebText's raw
+subset tarballs (tar of xz archives of ~390 .txt documents each, OpenWebText's average) and
+parquet data files, and prepares `openwebtext` from each, alternating, `--rounds` times. It
+reports the tarball path's throughput against the parquet path's (target >= 0.8): the cost of
+decompressing and splitting archives in the tokenizer processes against reading parquet
+through `datasets` in the main one.
 """
 from __future__ import annotations
 
@@ -38,6 +46,7 @@ from typing import Callable
 
 import torch
 
+from data_pipeline.hub import HubRepo, write_tarball_layout
 from data_pipeline.loader import build_loader
 from data_pipeline.prepare import prepare
 from data_pipeline.sources import parse_source
@@ -146,6 +155,58 @@ def peak_memory(copies_list: list[int], num_proc: int) -> None:
                   f"{peak_kb / 1024:,.0f} MiB")
 
 
+OWT_DOCS_PER_ARCHIVE = 390
+"""OpenWebText's average: about 8.0M documents in 20,610 .xz archives."""
+
+
+def hub_layouts(copies: int, rounds: int, num_proc: int) -> None:
+    import fsspec
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    with tempfile.TemporaryDirectory() as tmp:
+        _, docs = write_corpus(tmp, copies)
+        layouts = {name: os.path.join(tmp, name) for name in ("tarballs", "parquet")}
+        write_tarball_layout(layouts["tarballs"], [d.encode() for d in docs], OWT_DOCS_PER_ARCHIVE,
+                             archives_per_tarball=4)
+        os.makedirs(os.path.join(layouts["parquet"], "plain_text"))
+        files = 4
+        for k in range(files):
+            part = docs[k * len(docs) // files:(k + 1) * len(docs) // files]
+            pq.write_table(pa.table({"text": part}), os.path.join(
+                layouts["parquet"], "plain_text", f"train-{k:05d}-of-{files:05d}.parquet"))
+        megabytes = sum(len(d.encode("utf-8")) for d in docs) / 1e6
+        print(f"corpus: {len(docs)} documents, {megabytes:.1f} MB in both layouts; "
+              f"{os.cpu_count()} CPUs, num_proc {num_proc}, {rounds} rounds (median reported)")
+        fingerprints: dict[str, set[str]] = {name: set() for name in layouts}
+        wall: dict[str, list[float]] = {name: [] for name in layouts}
+        cpu: dict[str, list[float]] = {name: [] for name in layouts}
+
+        def prepare_from(name: str) -> int:
+            repo = HubRepo("Skylion007/openwebtext", None, name, fsspec.filesystem("file"),
+                           layouts[name])
+            manifest = prepare("openwebtext", os.path.join(tmp, f"ds-{name}"), seq_len=1024,
+                               num_proc=num_proc, overwrite=True, progress_bar=False,
+                               hub_repo=repo)
+            fingerprints[name].add(manifest["fingerprint"])
+            return sum(split["tokens"] for split in manifest["splits"].values())
+
+        for _ in range(rounds):
+            for name in layouts:
+                per_wall, per_cpu = timed(lambda: prepare_from(name))
+                wall[name].append(per_wall)
+                cpu[name].append(per_cpu)
+    if len(fingerprints["tarballs"] | fingerprints["parquet"]) != 1:
+        raise SystemExit("error: the two layouts gave different datasets")
+    for name in layouts:
+        print(f"prepare openwebtext from {name:9s} {statistics.median(wall[name]):>12,.0f} "
+              f"tokens/s {statistics.median(cpu[name]):>12,.0f} per CPU-s   (wall range "
+              f"{min(wall[name]):,.0f}-{max(wall[name]):,.0f})")
+    print("tarballs/parquet: " + ", ".join(
+        f"{statistics.median(a / b for a, b in zip(r['tarballs'], r['parquet'])):.2f} {kind}"
+        for kind, r in (("wall", wall), ("CPU", cpu))) + "  (target >= 0.8; same dataset)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--copies", type=int, default=4, help="copies of the corpus (~5 MB each)")
@@ -153,9 +214,14 @@ def main() -> None:
     parser.add_argument("--num-proc", type=int, default=2)
     parser.add_argument("--memory", action="store_true",
                         help="measure peak memory of prepare on 1, 10 and 40 copies instead")
+    parser.add_argument("--hub-layouts", action="store_true",
+                        help="compare prepare from the tarball and parquet hub layouts instead")
     args = parser.parse_args()
     if args.memory:
         peak_memory([1, 10, 40], args.num_proc)
+        return
+    if args.hub_layouts:
+        hub_layouts(args.copies, args.rounds, args.num_proc)
         return
     torch.set_num_threads(args.num_proc)
     procs = args.num_proc

@@ -27,7 +27,7 @@ from typing import Iterator
 import numpy as np
 
 from data_pipeline.packing import dataset_fingerprint, read_manifest, write_splits
-from data_pipeline.sources import DataError
+from data_pipeline.sources import DataError, SourceStats
 from data_pipeline.tokenizer import WordTokenizer, tokenizer_from_spec
 
 OPERATORS = ("add_10", "max_10", "median_10")
@@ -139,7 +139,7 @@ def build_listops_dataset(staging: str, settings: dict, shard_size) -> dict:
         sizes["train"] = settings["max_docs"]
     texts, heldout = generate(sizes)
     tokenizer = WordTokenizer(list(VOCAB), EOS)
-    empty = (np.empty(0, dtype=np.uint16), 0)
+    empty = (np.empty(0, dtype=np.uint16), 0, 0)
 
     def chunks():
         for position, name in enumerate(SPLITS):
@@ -147,7 +147,8 @@ def build_listops_dataset(staging: str, settings: dict, shard_size) -> dict:
             ids = np.concatenate([piece for text in texts[name]
                                   for piece in (tokenizer.encode(text), eot)])
             parts = [empty] * len(SPLITS)
-            parts[position] = (ids.astype(np.uint16), len(texts[name]))
+            parts[position] = (ids.astype(np.uint16), len(texts[name]),
+                               sum(len(text.encode("utf-8")) for text in texts[name]))
             yield parts
 
     counts = write_splits(staging, chunks(), SPLITS, settings["seq_len"],
@@ -164,7 +165,7 @@ def build_listops_dataset(staging: str, settings: dict, shard_size) -> dict:
     return {**settings, **vocabulary, "vocab_size": len(VOCAB), "eot_id": tokenizer.eot_id,
             "equals_id": tokenizer.index[EQUALS], "pad_id": tokenizer.index["<pad>"],
             "splits": counts, "heldout_triples": [list(t) for t in heldout], "seed": SEED,
-            "invalid_utf8_replacements": 0, "skipped_lines": 0, "empty_docs": 0,
+            **vars(SourceStats()),
             "fingerprint": dataset_fingerprint(vocabulary, counts)}
 
 

@@ -17,6 +17,11 @@ Choices that are not streaming's defaults, and why:
 - Shards are checked against the sizes (when the loader is built) and xxh64 checksums (when a
   process first reads from a shard) in the split's `index.json`, so a corrupted or truncated
   shard is an error naming the shard, not a wrong batch.
+- Mixtures: several prepared datasets (one tokenizer, one seq_len) are streaming `Stream`s of
+  one `StreamingDataset`, each with a `proportion` of every epoch or a `repeat` count, so a
+  mixture partitions, shuffles and resumes exactly like a single dataset. With proportions an
+  epoch holds as many windows as the datasets together; a dataset with a larger share than its
+  size has its windows repeated, a smaller one gets a fresh random subset each epoch.
 """
 from __future__ import annotations
 
@@ -244,23 +249,67 @@ class TokenLoader:
         self.dataloader.load_state_dict(state)
 
 
+MIXTURE_MUST_MATCH = ("tokenizer", "vocab_size", "eot_id", "seq_len", "chars", "vocab")
+"""Manifest fields every dataset of a mixture shares with the main dataset (same token ids)."""
+
+
+def _split_dir(data_dir: str, manifest: dict, split: str) -> str:
+    split_dir = os.path.abspath(os.path.join(data_dir, split))
+    if split not in manifest["splits"] or not os.path.isdir(split_dir):
+        raise DataError(f"{data_dir} has no split {split!r} "
+                        f"(splits: {', '.join(manifest['splits'])})")
+    return split_dir
+
+
+def mixture_streams(data_dir: str, manifest: dict, mixture, split: str) -> tuple[list, int]:
+    """Streaming `Stream`s of a mixture's datasets and the windows of one epoch of it.
+
+    `mixture` holds entries with `path` and either `proportion` or `repeat` (`data.mixture`)."""
+    weighted_by = {"proportion" if e.proportion is not None else "repeat" if e.repeat is not None
+                   else None for e in mixture}
+    if len(weighted_by) != 1 or None in weighted_by:
+        raise DataError("data.mixture: give every entry a proportion, or every entry a repeat")
+    streams, epoch_windows = [], 0
+    for entry in mixture:
+        part = read_manifest(entry.path)
+        for key in MIXTURE_MUST_MATCH:
+            if part.get(key) != manifest.get(key):
+                raise DataError(f"data.mixture: {entry.path} was prepared with {key}="
+                                f"{part.get(key)!r}, {data_dir} with {manifest.get(key)!r} (a "
+                                "mixture needs one tokenizer and seq_len)")
+        windows = part["splits"][split]["windows"] if split in part["splits"] else 0
+        if (entry.proportion or 0) < 0 or (entry.repeat or 0) < 0 or windows == 0:
+            raise DataError(f"data.mixture: {entry.path} needs a non-negative weight and "
+                            f"windows in its {split} split")
+        streams.append(streaming.Stream(local=_split_dir(entry.path, part, split),
+                                        proportion=entry.proportion, repeat=entry.repeat))
+        # Streaming's epoch size: all windows when weighted by proportion, else the repeats.
+        epoch_windows += windows if entry.repeat is None else int(entry.repeat * windows)
+    return streams, epoch_windows
+
+
 def build_loader(data_dir: str, split: str, *, micro_batch_size: int, seed: int,
                  shuffle: bool = True, num_workers: int = 2, repeat: bool = True,
                  num_canonical_nodes: int | None = None, verify: bool = True,
-                 pin_memory: bool = False) -> TokenLoader:
+                 pin_memory: bool = False, mixture=None) -> TokenLoader:
     """The loader of one split of a prepared dataset for this rank.
 
     Rank and world size come from RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE (streaming
     reads them; a plain single process needs none). `seed` is streaming's `shuffle_seed`.
     `num_canonical_nodes` overrides the size-based default, e.g. for node counts that are not a
     power of two. `verify` checks shard sizes now and each shard's checksum on its first read.
+    `mixture` (entries with `path` and `proportion` or `repeat`) reads that mixture of datasets'
+    `split` instead of `data_dir`'s, whose manifest they must match in tokenizer and seq_len.
     """
     manifest = read_manifest(data_dir)
-    split_dir = os.path.abspath(os.path.join(data_dir, split))
-    if split not in manifest["splits"] or not os.path.isdir(split_dir):
-        raise DataError(f"{data_dir} has no split {split!r} "
-                        f"(splits: {', '.join(manifest['splits'])})")
-    num_windows = manifest["splits"][split]["windows"]
+    if mixture:
+        streams, num_windows = mixture_streams(data_dir, manifest, mixture, split)
+        source = {"streams": streams}
+        compressed = any(read_manifest(entry.path).get("compression") for entry in mixture)
+    else:
+        source = {"local": _split_dir(data_dir, manifest, split)}
+        num_windows = manifest["splits"][split]["windows"]
+        compressed = manifest.get("compression")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if num_windows < micro_batch_size * world_size:
         raise DataError(f"split {split} of {data_dir} has {num_windows} windows, fewer than one "
@@ -271,10 +320,10 @@ def build_loader(data_dir: str, split: str, *, micro_batch_size: int, seed: int,
         atexit.register(_release_prefix, registered)
     with _registration_turn():
         dataset = WindowDataset(
-            verify=verify, local=split_dir, batch_size=micro_batch_size, shuffle=shuffle,
+            verify=verify, **source, batch_size=micro_batch_size, shuffle=shuffle,
             shuffle_seed=seed, predownload=max(READY_AHEAD, 8 * micro_batch_size),
             num_canonical_nodes=num_canonical_nodes or canonical_nodes_for(num_windows),
-            validate_hash=SHARD_HASH if manifest.get("compression") else None)
+            validate_hash=SHARD_HASH if compressed else None)
     registered.append(dataset._shm_prefix_int)
     if verify:
         check_shard_sizes(dataset.shards)

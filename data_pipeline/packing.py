@@ -56,11 +56,12 @@ class WindowWriter:
                                           compression=compression, hashes=[SHARD_HASH],
                                           size_limit=shard_size)
         self.carry = np.empty(0, dtype=np.uint16)
-        self.docs = self.tokens = self.windows = 0
+        self.docs = self.tokens = self.windows = self.utf8_bytes = 0
 
-    def add(self, tokens: np.ndarray, docs: int) -> None:
+    def add(self, tokens: np.ndarray, docs: int, utf8_bytes: int) -> None:
         self.docs += docs
         self.tokens += len(tokens)
+        self.utf8_bytes += utf8_bytes
         stream = np.concatenate([self.carry, tokens]) if len(self.carry) else tokens
         full = len(stream) // self.window
         windows = stream[:full * self.window].reshape(full, self.window)
@@ -73,26 +74,28 @@ class WindowWriter:
     def finish(self) -> dict:
         self.writer.finish()
         return {"docs": self.docs, "tokens": self.tokens, "windows": self.windows,
-                "dropped_tokens": len(self.carry), "sha256": self.digest.hexdigest()}
+                "dropped_tokens": len(self.carry), "utf8_bytes": self.utf8_bytes,
+                "sha256": self.digest.hexdigest()}
 
 
-def write_splits(out_dir: str, chunks: Iterable[list[tuple[np.ndarray, int]]],
+def write_splits(out_dir: str, chunks: Iterable[list[tuple[np.ndarray, int, int]]],
                  split_names: tuple[str, ...], seq_len: int, compression: str | None,
                  shard_size: int | str, progress: tqdm | None = None) -> dict[str, dict]:
     """Write each split's windows under `out_dir/<split>/`; returns the per-split counts.
 
-    `chunks` yields, per unit of work, one (tokens, documents) pair per split, in `split_names`
-    order; each split's tokens are packed in the order they arrive.
+    `chunks` yields, per unit of work, one (tokens, documents, UTF-8 bytes of the documents'
+    text) triple per split, in `split_names` order; each split's tokens are packed in the order
+    they arrive. A split's `utf8_bytes` is what bits per byte divide by.
     """
     writers = {name: WindowWriter(os.path.join(out_dir, name), seq_len, compression, shard_size)
                for name in split_names}
     tokens_done = 0
     for parts in chunks:
-        for name, (tokens, docs) in zip(split_names, parts):
-            writers[name].add(tokens, docs)
+        for name, (tokens, docs, utf8_bytes) in zip(split_names, parts):
+            writers[name].add(tokens, docs, utf8_bytes)
         if progress is not None:
-            tokens_done += sum(len(tokens) for tokens, _ in parts)
-            progress.update(sum(docs for _, docs in parts))
+            tokens_done += sum(len(tokens) for tokens, _, _ in parts)
+            progress.update(sum(docs for _, docs, _ in parts))
             elapsed = max(progress.format_dict["elapsed"], 1e-9)
             progress.set_postfix_str(f"{tokens_done / elapsed:,.0f} tok/s", refresh=False)
     return {name: writer.finish() for name, writer in writers.items()}

@@ -27,6 +27,9 @@ import socket
 import sys
 import time
 from collections import deque
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 import numpy as np
@@ -35,7 +38,9 @@ from tqdm import tqdm
 from data_pipeline.listops import build_listops_dataset
 from data_pipeline.packing import (MANIFEST, check_uint16, dataset_fingerprint, read_manifest,
                                    write_manifest, write_splits)
-from data_pipeline.sources import DataError, Source, parse_source
+from data_pipeline.hub import Archive
+from data_pipeline.sources import (DataError, Source, SourceStats, archive_texts,
+                                   fingerprint_change, parse_source)
 from data_pipeline.streaming_compat import streaming
 from data_pipeline.tokenizer import CharTokenizer, GPT2Tokenizer, tokenizer_from_spec
 
@@ -49,8 +54,8 @@ CHUNKS_IN_FLIGHT_PER_PROC = 6
 """Chunks queued per tokenizer process: bounds memory, and is deep enough that the workers keep
 busy while the reading/writing main process waits for a core on a busy machine (measured: 2 in
 flight lost ~7% more throughput than 6 on an oversubscribed 2-core machine)."""
-SETTINGS_KEYS = ("source", "tokenizer", "seq_len", "val_fraction", "max_docs", "text_field",
-                 "text_unit", "skip_bad_lines")
+SETTINGS_KEYS = ("source", "revision", "tokenizer", "seq_len", "val_fraction", "max_docs",
+                 "text_field", "text_unit", "skip_bad_lines")
 """Manifest fields that define the dataset's content; a rerun with other values is refused."""
 
 
@@ -70,33 +75,99 @@ def _init_worker(tokenizer_spec: dict, val_fraction: float) -> None:
 
 def is_val_document(text: str, val_fraction: float) -> bool:
     """Deterministic split decision from the document's own text (uniform in [0, 1))."""
-    digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest()
+    return _is_val(text.encode("utf-8"), val_fraction)
+
+
+def _is_val(utf8: bytes, val_fraction: float) -> bool:
+    digest = hashlib.blake2b(utf8, digest_size=8).digest()
     return int.from_bytes(digest, "little") / 2.0**64 < val_fraction
 
 
-def _tokenize_chunk(docs: list[str]) -> list[tuple[np.ndarray, int]]:
-    """Token ids (each document followed by EOT) and document count, per split."""
+@dataclass
+class ChunkResult:
+    """What a tokenizer process returns for one unit of work (documents in input order)."""
+
+    tokens: list[np.ndarray]
+    """Per split: uint16 token ids, each document's followed by the end-of-document id."""
+    doc_ends: list[np.ndarray]
+    """Per split: the end offset in `tokens` of each document (its EOT included)."""
+    doc_bytes: list[np.ndarray]
+    """Per split: the UTF-8 bytes of each document's text."""
+    doc_splits: np.ndarray
+    """The split index of each document, in input order."""
+    stats: SourceStats
+    """Counts from decoding archives in the worker (empty for plain documents)."""
+
+    def first_docs(self, count: int) -> "ChunkResult":
+        """This result cut after its first `count` documents (for --max-docs)."""
+        kept = [int(np.sum(self.doc_splits[:count] == s)) for s in range(len(SPLITS))]
+        tokens = [t[:e[k - 1]] if k else t[:0] for t, e, k in zip(self.tokens, self.doc_ends, kept)]
+        return ChunkResult(tokens, [e[:k] for e, k in zip(self.doc_ends, kept)],
+                           [b[:k] for b, k in zip(self.doc_bytes, kept)],
+                           self.doc_splits[:count], self.stats)
+
+    def parts(self) -> list[tuple[np.ndarray, int, int]]:
+        """(tokens, documents, UTF-8 bytes) per split, as `write_splits` takes them."""
+        return [(tokens, len(ends), int(sizes.sum()))
+                for tokens, ends, sizes in zip(self.tokens, self.doc_ends, self.doc_bytes)]
+
+
+def _tokenize_docs(docs: list[str], stats: SourceStats) -> ChunkResult:
     tokenizer, val_fraction = _worker["tokenizer"], _worker["val_fraction"]
     eot = np.array([tokenizer.eot_id])
     pieces: list[list[np.ndarray]] = [[] for _ in SPLITS]
-    for doc in docs:
-        split = int(is_val_document(doc, val_fraction)) if val_fraction > 0 else 0
-        pieces[split] += (tokenizer.encode(doc), eot)
-    out = []
+    lengths: list[list[int]] = [[] for _ in SPLITS]
+    sizes: list[list[int]] = [[] for _ in SPLITS]
+    doc_splits = np.zeros(len(docs), dtype=np.uint8)
+    for position, doc in enumerate(docs):
+        utf8 = doc.encode("utf-8")
+        split = int(_is_val(utf8, val_fraction)) if val_fraction > 0 else 0
+        ids = tokenizer.encode(doc)
+        pieces[split] += (ids, eot)
+        lengths[split].append(len(ids) + 1)
+        sizes[split].append(len(utf8))
+        doc_splits[position] = split
+    tokens = []
     for split_pieces in pieces:
         ids = np.concatenate(split_pieces) if split_pieces else np.empty(0, dtype=np.int64)
         if ids.size:
             check_uint16(int(ids.max()), type(tokenizer).__name__)
-        out.append((ids.astype(np.uint16), len(split_pieces) // 2))
-    return out
+        tokens.append(ids.astype(np.uint16))
+    return ChunkResult(tokens, [np.cumsum(n, dtype=np.int64) for n in lengths],
+                       [np.array(b, dtype=np.int64) for b in sizes], doc_splits, stats)
 
 
-def _chunks(docs: Iterable[str]) -> Iterator[list[str]]:
+def _tokenize_unit(unit: list[str] | Archive) -> ChunkResult:
+    """Tokenize a chunk of documents, or the documents of an archive decoded here. Any failure
+    is a one-line DataError, in a worker process as in the main one."""
+    try:
+        stats = SourceStats()
+        if isinstance(unit, Archive):
+            docs = list(archive_texts(unit, stats))
+            stats.empty_docs = docs.count("")
+            unit = [doc for doc in docs if doc]
+        return _tokenize_docs(unit, stats)
+    except DataError:
+        raise
+    except Exception as err:  # anything else would reach the user as a raw traceback
+        where = unit.name if isinstance(unit, Archive) else f"a chunk of {len(unit)} documents"
+        first_line = (str(err).strip().splitlines() or [""])[0]
+        raise DataError(f"tokenizing {where} failed: {type(err).__name__}: {first_line}") from None
+
+
+def _chunks(units: Iterable[str | Archive]) -> Iterator[list[str] | Archive]:
+    """Plain documents grouped into chunks; each archive is a unit of work of its own."""
     chunk: list[str] = []
     chars = 0
-    for doc in docs:
-        chunk.append(doc)
-        chars += len(doc)
+    for unit in units:
+        if isinstance(unit, Archive):
+            if chunk:
+                yield chunk
+                chunk, chars = [], 0
+            yield unit
+            continue
+        chunk.append(unit)
+        chars += len(unit)
         if len(chunk) >= CHUNK_MAX_DOCS or chars >= CHUNK_MAX_CHARS:
             yield chunk
             chunk, chars = [], 0
@@ -104,23 +175,42 @@ def _chunks(docs: Iterable[str]) -> Iterator[list[str]]:
         yield chunk
 
 
-def _tokenized_chunks(docs: Iterable[str], tokenizer_spec: dict, val_fraction: float,
-                      num_proc: int) -> Iterator[list[tuple[np.ndarray, int]]]:
-    """Tokenize chunks of documents in `num_proc` processes, yielding results in input order."""
+def _tokenized_chunks(units: Iterable[str | Archive], tokenizer_spec: dict, val_fraction: float,
+                      num_proc: int) -> Iterator[ChunkResult]:
+    """Tokenize units of work in `num_proc` processes, yielding results in input order."""
     if num_proc == 1:
         _init_worker(tokenizer_spec, val_fraction)
-        yield from map(_tokenize_chunk, _chunks(docs))
+        yield from map(_tokenize_unit, _chunks(units))
         return
-    # fork: workers start instantly and inherit the imported modules.
-    context = multiprocessing.get_context("fork")
-    with context.Pool(num_proc, _init_worker, (tokenizer_spec, val_fraction)) as pool:
-        pending: deque = deque()
-        for chunk in _chunks(docs):
-            pending.append(pool.apply_async(_tokenize_chunk, (chunk,)))
+    # fork: workers start instantly and inherit the imported modules. Unlike
+    # multiprocessing.Pool, the executor fails (instead of waiting forever) if a worker dies.
+    executor = ProcessPoolExecutor(num_proc, multiprocessing.get_context("fork"), _init_worker,
+                                   (tokenizer_spec, val_fraction))
+    pending: deque = deque()
+    try:
+        for chunk in _chunks(units):
+            pending.append(executor.submit(_tokenize_unit, chunk))
             if len(pending) >= CHUNKS_IN_FLIGHT_PER_PROC * num_proc:
-                yield pending.popleft().get()
+                yield pending.popleft().result()
         while pending:
-            yield pending.popleft().get()
+            yield pending.popleft().result()
+    except BrokenProcessPool:
+        raise DataError("a tokenizer process died (killed, e.g. out of memory); "
+                        "nothing was written") from None
+    finally:
+        executor.shutdown(wait=True, cancel_futures=True)
+
+
+def _first_docs(results: Iterable[ChunkResult], max_docs: int | None) -> Iterator[ChunkResult]:
+    """The results up to `max_docs` documents in all (archives hold unknown counts)."""
+    remaining = max_docs
+    for result in results:
+        if remaining is not None and len(result.doc_splits) >= remaining:
+            yield result.first_docs(remaining)
+            return
+        if remaining is not None:
+            remaining -= len(result.doc_splits)
+        yield result
 
 
 # --- the prepare entry points ------------------------------------------------------------------
@@ -159,17 +249,31 @@ def settings_mismatch(manifest: dict, settings: dict) -> str | None:
     return None
 
 
-def _limit(docs: Iterable[str], max_docs: int | None) -> Iterator[str]:
-    for count, doc in enumerate(docs):
-        if max_docs is not None and count >= max_docs:
-            return
-        yield doc
+def _limit(units: Iterable[str | Archive], max_docs: int | None) -> Iterator[str | Archive]:
+    """Stop after `max_docs` plain documents (archives are cut by `_first_docs`)."""
+    count = 0
+    for unit in units:
+        if isinstance(unit, str):
+            if max_docs is not None and count >= max_docs:
+                return
+            count += 1
+        yield unit
 
 
 def _char_vocabulary(source: Source, max_docs: int | None) -> list[str]:
+    """The sorted characters of every document a tokenizer process will see: the first
+    `max_docs`, and the rest of the archive the last of them is in (archives are tokenized
+    whole, then cut)."""
     chars: set[str] = set()
-    for doc in _limit(source.documents(), max_docs):
-        chars.update(doc)
+    count = 0
+    for unit in _limit(source.work_units(), max_docs):
+        if max_docs is not None and count >= max_docs:
+            break
+        docs = [unit] if isinstance(unit, str) else [
+            doc for doc in archive_texts(unit, SourceStats()) if doc]
+        for doc in docs:
+            chars.update(doc)
+        count += len(docs)
     check_uint16(len(chars), "char")  # the end-of-document id comes after the characters
     return sorted(chars)
 
@@ -182,11 +286,18 @@ def _build_text_dataset(source: Source, staging: str, settings: dict, num_proc: 
         tokenizer = CharTokenizer(spec["chars"])
     else:
         spec, tokenizer = {"tokenizer": "gpt2"}, GPT2Tokenizer()
+    worker_stats = SourceStats()
+
+    def parts() -> Iterator[list[tuple[np.ndarray, int, int]]]:
+        results = _tokenized_chunks(_limit(source.work_units(), max_docs), spec, val_fraction,
+                                    num_proc)
+        for result in _first_docs(results, max_docs):
+            worker_stats.add(result.stats)
+            yield result.parts()
+
     with tqdm(desc=f"prepare {source.spec}", unit="doc", total=max_docs, file=sys.stderr,
               disable=None if progress_bar else True, mininterval=1.0) as bar:
-        chunks = _tokenized_chunks(_limit(source.documents(), max_docs), spec, val_fraction,
-                                   num_proc)
-        counts = write_splits(staging, chunks, SPLITS, settings["seq_len"], compression,
+        counts = write_splits(staging, parts(), SPLITS, settings["seq_len"], compression,
                               shard_size, bar)
     total_docs = sum(c["docs"] for c in counts.values())
     if total_docs == 0:
@@ -199,9 +310,9 @@ def _build_text_dataset(source: Source, staging: str, settings: dict, num_proc: 
                             f"tokens ({counts[name]['docs']} of {total_docs} documents, "
                             f"{counts[name]['tokens']} tokens); {hint}")
     stats = source.stats
+    stats.add(worker_stats)
     return {**settings, **spec, "vocab_size": tokenizer.vocab_size, "eot_id": tokenizer.eot_id,
-            "splits": counts, "invalid_utf8_replacements": stats.invalid_utf8_replacements,
-            "skipped_lines": stats.skipped_lines, "empty_docs": stats.empty_docs,
+            "splits": counts, **vars(stats), "source_layout": source.layout,
             "fingerprint": dataset_fingerprint(spec, counts)}
 
 
@@ -209,25 +320,28 @@ def prepare(source: str, out: str, *, seq_len: int = 1024, val_fraction: float =
             num_proc: int | None = None, max_docs: int | None = None, tokenizer: str = "gpt2",
             overwrite: bool = False, compression: str | None = None,
             skip_bad_lines: bool = False, text_field: str = "text", text_unit: str = "file",
-            shard_size: int | str = "64mb", progress_bar: bool = True) -> dict:
+            shard_size: int | str = "64mb", progress_bar: bool = True,
+            revision: str | None = None, hub_repo=None) -> dict:
     """Prepare `source` into `out` (see the module docstring) and return the manifest.
 
-    If `out` already holds a dataset made with the same settings it is kept and its manifest
-    returned; a different dataset is refused unless `overwrite`.
+    If `out` already holds a dataset made with the same settings from an unchanged source it is
+    kept and its manifest returned; other settings or a changed source are refused unless
+    `overwrite`. `revision` pins a hub source; `hub_repo` (a `hub.HubRepo`) stands in for the
+    hub repository of a hub source, e.g. a local copy with the same file layout.
     """
     num_proc = default_num_proc() if num_proc is None else num_proc
     _check_arguments(seq_len, val_fraction, num_proc, max_docs, tokenizer, compression,
                      shard_size)
     src = parse_source(source, text_field=text_field, text_unit=text_unit,
-                       skip_bad_lines=skip_bad_lines)
+                       skip_bad_lines=skip_bad_lines, revision=revision, hub_repo=hub_repo)
     if src.kind == "listops":
         tokenizer = "listops"
-    settings = {"format_version": FORMAT_VERSION, "source": source, "tokenizer": tokenizer,
-                "seq_len": seq_len, "val_fraction": val_fraction, "max_docs": max_docs,
-                "text_field": text_field, "text_unit": text_unit,
+    settings = {"format_version": FORMAT_VERSION, "source": source, "revision": revision,
+                "tokenizer": tokenizer, "seq_len": seq_len, "val_fraction": val_fraction,
+                "max_docs": max_docs, "text_field": text_field, "text_unit": text_unit,
                 "skip_bad_lines": skip_bad_lines, "compression": compression}
     out = os.path.abspath(out)
-    existing = _check_out_dir(out, settings, overwrite)
+    existing = _check_out_dir(out, settings, overwrite, src)
     if existing is not None:
         return existing
 
@@ -238,11 +352,13 @@ def prepare(source: str, out: str, *, seq_len: int = 1024, val_fraction: float =
     os.makedirs(staging)
     try:
         start = time.perf_counter()
+        source_fingerprint = src.fingerprint()  # before reading: what the data was built from
         if src.kind == "listops":
             manifest = build_listops_dataset(staging, settings, shard_size)
         else:
             manifest = _build_text_dataset(src, staging, settings, num_proc, compression,
                                            shard_size, progress_bar)
+        manifest["source_fingerprint"] = source_fingerprint
         manifest["prepare_seconds"] = round(time.perf_counter() - start, 3)
         write_manifest(staging, manifest)
         _move_into_place(staging, out)
@@ -251,7 +367,31 @@ def prepare(source: str, out: str, *, seq_len: int = 1024, val_fraction: float =
     return manifest
 
 
-def _check_out_dir(out: str, settings: dict, overwrite: bool) -> dict | None:
+def source_change(manifest: dict, source: Source) -> str | None:
+    """What changed in `source` since the dataset of `manifest` was built from it, or None.
+
+    A hub that cannot be reached to resolve an unpinned revision, or a dataset prepared before
+    fingerprints were recorded, cannot be checked: a warning says so and the dataset is kept.
+    """
+    if "source_fingerprint" not in manifest:
+        print(f"warning: the dataset of {source.spec} records no source fingerprint (prepared by "
+              "an older version); cannot tell whether the source changed", file=sys.stderr)
+        return None
+    recorded = manifest["source_fingerprint"]
+    if recorded is None:
+        return None
+    try:
+        current = source.fingerprint()
+    except DataError as err:
+        if not source.is_hub:
+            raise
+        print(f"warning: keeping the dataset of {source.spec} at commit {recorded['commit']} "
+              f"unchecked: {err}", file=sys.stderr)
+        return None
+    return fingerprint_change(recorded, current)
+
+
+def _check_out_dir(out: str, settings: dict, overwrite: bool, source: Source) -> dict | None:
     """The existing manifest if `out` already holds this dataset; raise if it holds another."""
     if not os.path.exists(out):
         return None
@@ -269,6 +409,10 @@ def _check_out_dir(out: str, settings: dict, overwrite: bool) -> dict | None:
     if mismatch:
         raise DataError(f"--out {out} already holds a different dataset ({mismatch}); "
                         "pass --overwrite to replace it")
+    change = source_change(manifest, source)
+    if change:
+        raise DataError(f"--out {out} was prepared from another state of the source ({change}); "
+                        "pass --overwrite to rebuild it")
     return manifest
 
 
@@ -300,36 +444,50 @@ def _move_into_place(staging: str, out: str) -> None:
 
 def ensure_prepared(path: str, source: str, *, seq_len: int, tokenizer: str = "gpt2",
                     val_fraction: float = 0.0005, max_docs: int | None = None,
-                    num_proc: int | None = None) -> dict:
+                    num_proc: int | None = None, revision: str | None = None,
+                    overwrite: bool = False) -> dict:
     """Prepare the dataset at `path` once, and return its manifest.
 
     Safe to call from every rank of a job at once: the first process to take the lock file
     `path + ".lock"` prepares, the others wait for it and then read the manifest. A dataset that
-    exists with other settings is an error, never silently reused or replaced.
+    exists with other settings, or was built from another state of the source, is an error
+    (rebuilt instead with `overwrite`), never silently reused or replaced.
     """
     path = os.path.abspath(path)
-    settings = {"source": source, "tokenizer": "listops" if source == "listops" else tokenizer,
+    settings = {"source": source, "revision": revision,
+                "tokenizer": "listops" if source == "listops" else tokenizer,
                 "seq_len": seq_len, "val_fraction": val_fraction, "max_docs": max_docs}
+    src = parse_source(source, revision=revision)
 
-    def existing() -> dict | None:
+    def current() -> dict | None:
+        """The manifest if `path` holds this dataset; None if it holds none (or, with
+        `overwrite`, a stale one)."""
         manifest = existing_manifest(path)
-        if manifest is not None:
-            mismatch = settings_mismatch(manifest, settings)
-            if mismatch:
-                raise DataError(f"dataset {path} was prepared with other settings ({mismatch}); "
-                                "delete it or choose another path")
-        return manifest
+        if manifest is None:
+            return None
+        mismatch = settings_mismatch(manifest, settings)
+        problem = f"with other settings ({mismatch})" if mismatch else None
+        if problem is None:
+            change = source_change(manifest, src)
+            problem = f"from another state of the source ({change})" if change else None
+        if problem is None:
+            return manifest
+        if overwrite:
+            return None
+        raise DataError(f"dataset {path} was prepared {problem}; set data.overwrite to rebuild "
+                        "it, or delete it or choose another path")
 
-    manifest = existing()
+    manifest = current()
     if manifest is not None:
         return manifest
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        manifest = existing()
+        manifest = current()
         if manifest is None:
             manifest = prepare(source, path, seq_len=seq_len, val_fraction=val_fraction,
-                               tokenizer=tokenizer, max_docs=max_docs, num_proc=num_proc)
+                               tokenizer=tokenizer, max_docs=max_docs, num_proc=num_proc,
+                               revision=revision, overwrite=overwrite)
     return manifest
 
 
@@ -358,7 +516,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="stop after this many documents")
     parser.add_argument("--tokenizer", choices=("gpt2", "char"), default="gpt2")
     parser.add_argument("--overwrite", action="store_true",
-                        help="replace a different dataset already in --out")
+                        help="replace a different dataset already in --out, or rebuild one "
+                             "whose source changed")
     parser.add_argument("--compression", default=None,
                         help="MDS shard compression, e.g. zstd (default: none)")
     parser.add_argument("--skip-bad-lines", action="store_true",
@@ -368,6 +527,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--text-unit", choices=("file", "paragraph"), default="file",
                         help="text: sources: one document per file or per paragraph")
     parser.add_argument("--shard-size", default="64mb", help="MDS shard size limit")
+    parser.add_argument("--revision", default=None,
+                        help="hub sources: branch, tag or commit to read (recorded in the "
+                             "manifest with the commit it resolved to)")
     args = parser.parse_args(argv)
     try:
         manifest = prepare(args.source, args.out, seq_len=args.seq_len,
@@ -375,7 +537,8 @@ def main(argv: list[str] | None = None) -> int:
                            max_docs=args.max_docs, tokenizer=args.tokenizer,
                            overwrite=args.overwrite, compression=args.compression,
                            skip_bad_lines=args.skip_bad_lines, text_field=args.text_field,
-                           text_unit=args.text_unit, shard_size=args.shard_size)
+                           text_unit=args.text_unit, shard_size=args.shard_size,
+                           revision=args.revision)
     except (DataError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -127,6 +127,29 @@ def tokenizer_from_spec(spec: dict):
     raise ValueError(f"unknown tokenizer {kind!r} (expected gpt2, char or listops)")
 
 
+@functools.cache
+def _gpt2_token_byte_lengths() -> np.ndarray:
+    encoding = gpt2_encoding()
+    lengths = [len(encoding.decode_single_token_bytes(i)) for i in range(GPT2_EOT_ID)]
+    return np.array(lengths + [0], dtype=np.int64)
+
+
+def token_byte_lengths(manifest: dict) -> np.ndarray | None:
+    """UTF-8 bytes of the text of each token id of a prepared dataset's tokenizer (0 for the
+    end-of-document id, which stands for no text), so bits per byte of any tokens are one lookup
+    away; None for the ListOps word vocabulary, which is not text.
+
+    GPT-2 tokens are byte sequences whose concatenation is the document's UTF-8, so a split's
+    lengths sum to exactly the `utf8_bytes` the manifest records for it."""
+    kind = manifest["tokenizer"]
+    if kind == "gpt2":
+        return _gpt2_token_byte_lengths()
+    if kind == "char":
+        return np.array([len(c.encode("utf-8", "surrogatepass")) for c in manifest["chars"]] + [0],
+                        dtype=np.int64)
+    return None
+
+
 def decode(manifest: dict, ids) -> str:
     """Text of token ids of a prepared dataset (for samples printed or logged by the trainer)."""
     return tokenizer_from_spec(manifest).decode([int(i) for i in ids])

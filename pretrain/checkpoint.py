@@ -367,9 +367,14 @@ def restore_rng(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def data_identity(manifest: dict) -> dict:
-    """What makes a prepared dataset the same data: recorded in every checkpoint, compared on resume."""
-    return {key: manifest.get(key) for key in ("fingerprint", "tokenizer", "vocab_size", "seq_len")}
+def data_identity(manifest: dict, mixture: list[tuple[dict, float | None, float | None]] = ()) -> dict:
+    """What makes the training data the same data: recorded in every checkpoint, compared on
+    resume. `mixture`: (manifest, proportion, repeat) of each mixed dataset, which then is the
+    training data."""
+    identity = {key: manifest.get(key) for key in ("fingerprint", "tokenizer", "vocab_size", "seq_len")}
+    if mixture:
+        identity["mixture"] = [[m.get("fingerprint"), proportion, repeat] for m, proportion, repeat in mixture]
+    return identity
 
 
 # --- the manager --------------------------------------------------------------------------------

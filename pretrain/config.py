@@ -54,6 +54,20 @@ class ModelSection:
 
 
 @dataclass
+class MixtureEntry:
+    path: str = ""
+    """Prepared dataset directory whose train split is part of the mixture (same tokenizer and
+    seq_len as `data.path`)."""
+    proportion: float | None = None
+    """Relative share of each epoch's training windows (normalized over the entries; an epoch
+    holds as many windows as the datasets together). Give every entry a proportion, or every
+    entry a repeat."""
+    repeat: float | None = None
+    """Instead of a proportion: how often each epoch reads this dataset (2: every window twice,
+    0.5: a fresh random half each epoch)."""
+
+
+@dataclass
 class DataSection:
     path: str = ""
     """Prepared dataset directory (manifest.json, train/, val/), relative to the working directory."""
@@ -75,6 +89,14 @@ class DataSection:
     allow_change: bool = False
     """Resume onto a dataset other than the checkpoint's (continued pretraining on new data): the
     loader then starts at the new data's beginning. Off: such a resume is refused."""
+    revision: str | None = None
+    """Hub sources: the branch, tag or commit `source` is prepared from (None: default branch)."""
+    overwrite: bool = False
+    """Rebuild the dataset at `path` from `source` when it was prepared with other settings or
+    from another state of the source (the default refuses to start)."""
+    mixture: list[MixtureEntry] = field(default_factory=list)
+    """Train on a mixture of prepared datasets instead of `path`'s train split (evaluation
+    still reads `path`'s val split); empty: no mixture."""
 
 
 @dataclass

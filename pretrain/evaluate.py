@@ -1,5 +1,5 @@
-"""Evaluation during training: val loss and perplexity, EBT's thinking curve (val loss after
-1..N inference steps), and a short generated text sample.
+"""Evaluation during training: val loss and perplexity, bits per byte, EBT's thinking curve (val
+loss after 1..N inference steps), and a short generated text sample.
 
 Every rank runs the same calls (under ZeRO-3 a forward pass gathers parameters collectively),
 and evaluation draws its random numbers from a fixed seed inside a forked RNG, so it neither
@@ -34,12 +34,17 @@ class EvalResult:
     (the S1 training objective, which the released code logs as its validation loss)."""
     langevin_noise_std: float | None = None
     """EBT: std of the Langevin noise the eval descent added (0: none)."""
+    bpb: float | None = None
+    """`loss` in bits per UTF-8 byte of the evaluated target tokens' text, comparable across
+    tokenizers; None without a byte table (e.g. ListOps)."""
 
     def scalars(self) -> dict[str, float]:
         values = {"eval/loss": self.loss, "eval/ppl": math.exp(min(self.loss, 50.0))}
         if self.loss_mean_steps is not None:
             values["eval/loss_mean_steps"] = self.loss_mean_steps
             values["eval/langevin_noise_std"] = self.langevin_noise_std
+        if self.bpb is not None:
+            values["eval/bpb"] = self.bpb
         for k, loss in enumerate(self.think_losses or [], start=1):
             values[f"eval/think_loss/step_{k:02d}"] = loss
         return values
@@ -60,11 +65,17 @@ def decode_padded(decode, ids: list[int], vocab_size: int) -> str:
     return "".join(pieces[:-1])
 
 
+def bits_per_byte(loss_nats: float, tokens: int, utf8_bytes: int) -> float:
+    """Mean loss over `tokens` (nats per token) as bits per byte of the text they encode."""
+    return loss_nats * tokens / math.log(2) / utf8_bytes
+
+
 @torch.no_grad()
 def evaluate(engine, val_loader, settings: EvalSection, device: torch.device, seed: int,
-             decode) -> EvalResult:
+             decode, token_bytes: torch.Tensor | None = None) -> EvalResult:
     """Evaluate on `settings.batches` val micro-batches per rank (cycling a short split).
-    `decode(ids) -> str` turns token ids (any id the model can produce) into text."""
+    `decode(ids) -> str` turns token ids (any id the model can produce) into text;
+    `token_bytes` [vocab] holds the UTF-8 bytes of each token id's text, for bits per byte."""
     model = engine.module
     thinks = hasattr(model, "think")
     devices = [device.index or 0] if device.type == "cuda" else []
@@ -76,10 +87,13 @@ def evaluate(engine, val_loader, settings: EvalSection, device: torch.device, se
             # loss, then for EBT the mean over steps and the thinking curve
             totals = torch.zeros(1 + (1 + settings.think_steps if thinks else 0), dtype=torch.float64,
                                  device=device)
+            target_bytes = torch.zeros(1, dtype=torch.float64, device=device)
             first_inputs = None
             for inputs, targets in islice(cycle(val_loader), settings.batches):
                 inputs, targets = inputs.to(device), targets.to(device)
                 first_inputs = inputs if first_inputs is None else first_inputs
+                if token_bytes is not None:
+                    target_bytes += token_bytes[targets].sum()
                 out = engine(inputs, targets)
                 totals[0] += out.loss.double()
                 if thinks:
@@ -87,7 +101,12 @@ def evaluate(engine, val_loader, settings: EvalSection, device: torch.device, se
                     curve = model.think(inputs, steps=settings.think_steps, targets=targets).loss_per_step
                     totals[2:] += curve.double()
             dist.all_reduce(totals)
+            dist.all_reduce(target_bytes)
             means = (totals / (settings.batches * dist.get_world_size())).tolist()
+            bpb = None
+            if token_bytes is not None and target_bytes.item() > 0:
+                tokens = settings.batches * dist.get_world_size() * first_inputs.numel()
+                bpb = bits_per_byte(means[0], tokens, int(target_bytes.item()))
             sample = None
             if settings.sample_tokens > 0:
                 prompt = first_inputs[:1, : max(1, first_inputs.size(1) // 4)].contiguous()
@@ -99,6 +118,6 @@ def evaluate(engine, val_loader, settings: EvalSection, device: torch.device, se
     finally:
         engine.train()
     if not thinks:
-        return EvalResult(loss=means[0], think_losses=None, sample=sample)
+        return EvalResult(loss=means[0], think_losses=None, sample=sample, bpb=bpb)
     return EvalResult(loss=means[0], think_losses=means[2:], sample=sample, loss_mean_steps=means[1],
-                      langevin_noise_std=model.eval_noise_std())
+                      langevin_noise_std=model.eval_noise_std(), bpb=bpb)

@@ -135,20 +135,21 @@ class Trainer:
 
     def setup(self) -> None:
         import deepspeed
-        from data_pipeline.loader import build_loader
+        from data_pipeline.loader import build_loader, read_manifest
 
         cfg = self.cfg
         deepspeed.init_distributed(verbose=False)
         preflight(cfg, self.checkpoints)  # before any work
         self.manifest = manifest = self.prepare_data()
-        self.data = data_identity(manifest)
+        self.data = data_identity(manifest, [(read_manifest(entry.path), entry.proportion, entry.repeat)
+                                             for entry in cfg.data.mixture])
         self.checkpoints.check_data(self.data)
         self.build_engine(manifest["vocab_size"])
 
         data = cfg.data
         self.loader = build_loader(data.path, "train", micro_batch_size=data.micro_batch_size,
                                    seed=cfg.seed, shuffle=True, num_workers=data.num_workers,
-                                   pin_memory=self.on_gpu)
+                                   pin_memory=self.on_gpu, mixture=data.mixture)
         # Schedulers signal every process of the job, loader workers included, and a worker
         # dead of SIGTERM fails the batch the step still needs; the trainer handles preemption.
         self.loader.dataloader.worker_init_fn = _ignore_stop_signals
@@ -178,7 +179,8 @@ class Trainer:
         data = self.cfg.data
         if data.source:
             manifest = ensure_prepared(data.path, data.source, seq_len=data.seq_len,
-                                       tokenizer=data.tokenizer, val_fraction=data.val_fraction)
+                                       tokenizer=data.tokenizer, val_fraction=data.val_fraction,
+                                       revision=data.revision, overwrite=data.overwrite)
         else:
             manifest = read_manifest(data.path)
         check_dataset(self.cfg, manifest)
@@ -390,19 +392,23 @@ class Trainer:
     # --- evaluation and summary -----------------------------------------------------------
 
     def run_eval(self) -> EvalResult:
-        from data_pipeline.tokenizer import decode
+        from data_pipeline.tokenizer import decode, token_byte_lengths
 
         def text(ids: list[int]) -> str:
             return decode_padded(lambda run: decode(self.manifest, run), ids, self.manifest["vocab_size"])
 
+        byte_lengths = token_byte_lengths(self.manifest)
         result = evaluate(self.engine, self.val_loader, self.cfg.eval, self.device,
-                          seed=self.cfg.seed, decode=text)
+                          seed=self.cfg.seed, decode=text,
+                          token_bytes=None if byte_lengths is None else torch.from_numpy(byte_lengths).to(self.device))
         state = self.state
         state.last_val_loss = result.loss
         state.best_val_loss = result.loss if state.best_val_loss is None else min(state.best_val_loss, result.loss)
         state.think_losses = result.think_losses
         self.metrics.scalars(state.step, result.scalars())
         line = f"eval at step {state.step}: val loss {result.loss:.4f}, ppl {math.exp(min(result.loss, 50)):.2f}"
+        if result.bpb is not None:
+            line += f", {result.bpb:.4f} bits/byte"
         if result.think_losses:
             line += ", thinking curve " + " ".join(f"{x:.3f}" for x in result.think_losses)
         self.metrics.print(line)

@@ -6,8 +6,14 @@ shards so that packing crosses many shard and work-chunk boundaries.
 """
 import json
 import multiprocessing
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 AWKWARD_DOCS = [
     "A web page that mentions <|endoftext|> in its text.",
@@ -51,6 +57,37 @@ def tiny_dataset(tmp_path_factory, corpus_jsonl) -> str:
 
     out = str(tmp_path_factory.mktemp("datasets") / "tiny")
     prepare(f"jsonl:{corpus_jsonl}", out, num_proc=2, **TINY_SETTINGS)
+    return out
+
+
+@pytest.fixture(scope="session")
+def mixture_datasets(tmp_path_factory, corpus_docs) -> list[str]:
+    """Two GPT-2 datasets of different documents (the first about 2.5x the second), for
+    mixtures."""
+    from data_pipeline.prepare import prepare
+
+    root = tmp_path_factory.mktemp("mixture")
+    paths = []
+    for name, docs in (("a", corpus_docs[:430]), ("b", corpus_docs[430:])):
+        corpus = root / f"{name}.jsonl"
+        corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+        paths.append(str(root / name))
+        prepare(f"jsonl:{corpus}", paths[-1], num_proc=1, **TINY_SETTINGS)
+    return paths
+
+
+@pytest.fixture(scope="session")
+def two_rank_reads(tmp_path_factory, tiny_dataset, mixture_datasets) -> Path:
+    """What `tests.test_data_loader.worker_main` saved on each of two ranks under torchrun (one
+    launch for the single-dataset and the mixture checks)."""
+    out = tmp_path_factory.mktemp("two_ranks")
+    # --standalone: a rendezvous on a free local port, so concurrent launches cannot collide.
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc_per_node=2", "-m", "tests.test_data_loader", tiny_dataset,
+               *mixture_datasets, str(out)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests")])}
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
     return out
 
 

@@ -115,3 +115,79 @@ def test_command_line_exit_status(tmp_path):
     assert done.stderr.strip().splitlines() == [
         f"error: jsonl:{tmp_path}/missing.jsonl: no such file or directory"]
     assert not os.path.exists(tmp_path / "o")
+
+
+def test_failure_in_a_tokenizer_process_reads_like_one_in_the_main_process(tmp_path, capsys):
+    """The token-id check runs where the tokenizing does: in a worker with --num-proc 2."""
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    corpus = many_characters(inputs)
+    errors = []
+    for num_proc in ("1", "2"):
+        code = main(["--source", f"text:{corpus}", "--tokenizer", "char", "--out",
+                     str(tmp_path / "out"), "--seq-len", "8", "--val-fraction", "0",
+                     "--num-proc", num_proc])
+        errors.append(capsys.readouterr().err)
+        assert code == 1
+    assert errors[0] == errors[1]
+    assert errors[0].count("\n") == 1 and errors[0].startswith("error: token id 70000")
+    assert sorted(os.listdir(tmp_path)) == ["inputs"]
+
+
+def test_lone_surrogates_are_replaced_and_counted(tmp_path, capsys):
+    # Raw lines: JSON escapes of a lone high and a lone low surrogate, and a valid pair (an
+    # emoji), which is one character and no replacement.
+    lines = [r'{"text": "broken \ud800 high"}', r'{"text": "and \udfff low, \ud83c\udfad fine"}']
+    corpus = write(tmp_path / "s.jsonl", "\n".join(lines + [json.dumps(r) for r in GOOD]) + "\n")
+    code, err, out = run_cli(capsys, tmp_path, "--source", f"jsonl:{corpus}", "--num-proc", "2")
+    assert code == 0, err
+    manifest = json.load(open(os.path.join(out, "manifest.json")))
+    assert manifest["lone_surrogate_replacements"] == 2
+    assert manifest["invalid_utf8_replacements"] == 0
+    assert manifest["splits"]["train"]["docs"] == len(GOOD) + 2
+    from data_pipeline.sources import parse_source
+    docs = list(parse_source(f"jsonl:{corpus}").documents())
+    assert docs[:2] == ["broken \ufffd high", "and \ufffd low, \U0001F3AD fine"]
+
+
+def test_jsonl_and_text_files_may_start_with_a_byte_order_mark(tmp_path, capsys):
+    from data_pipeline.sources import parse_source
+    bom = b"\xef\xbb\xbf"
+    corpus = write(tmp_path / "b.jsonl", bom + "".join(json.dumps(r) + "\n" for r in GOOD).encode())
+    code, err, out = run_cli(capsys, tmp_path, "--source", f"jsonl:{corpus}")
+    assert code == 0, err
+    assert json.load(open(os.path.join(out, "manifest.json")))["splits"]["train"]["docs"] == len(GOOD)
+    text = write(tmp_path / "t.txt", bom + "first paragraph\n\nsecond".encode())
+    for unit in ("file", "paragraph"):
+        docs = list(parse_source(f"text:{text}", text_unit=unit).documents())
+        assert docs[0].startswith("first paragraph") and "\ufeff" not in "".join(docs)
+
+
+def test_any_exception_in_a_unit_of_work_becomes_one_line():
+    from data_pipeline.prepare import _init_worker, _tokenize_unit
+    from data_pipeline.sources import DataError
+
+    _init_worker({"tokenizer": "char", "chars": ["a"]}, 0.0)
+    with pytest.raises(DataError) as failure:
+        _tokenize_unit(["aab"])
+    assert str(failure.value) == ("tokenizing a chunk of 1 documents failed: ValueError: "
+                                  "character 'b' is not in the char vocabulary")
+
+
+def test_a_killed_tokenizer_process_fails_the_run_instead_of_hanging():
+    import signal
+
+    from data_pipeline.prepare import _tokenized_chunks
+    from data_pipeline.sources import DataError
+    from trainer_runs import process_tree
+
+    docs = [f"document {i} " * 40 for i in range(256 * 40)]  # 40 chunks, 12 in flight
+    before = set(process_tree(os.getpid()))
+    results = _tokenized_chunks(iter(docs), {"tokenizer": "gpt2"}, 0.0, num_proc=2)
+    next(results)
+    workers = sorted(set(process_tree(os.getpid())) - before)
+    assert len(workers) == 2
+    os.kill(workers[0], signal.SIGKILL)
+    with pytest.raises(DataError, match=r"^a tokenizer process died \(killed, e.g. out of memory\)"):
+        for _ in results:
+            pass

@@ -5,8 +5,8 @@ at the bottom is what each rank runs.
 """
 import os
 import shutil
-import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,7 +17,6 @@ from data_pipeline.prepare import prepare
 from data_pipeline.sources import DataError
 from data_pipeline.streaming_compat import streaming
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WINDOW = TINY_SETTINGS["seq_len"] + 1
 
 
@@ -176,33 +175,18 @@ def test_zstd_dataset_reads_like_uncompressed(tiny_dataset, corpus_jsonl, tmp_pa
 
 # --- world size 2 -------------------------------------------------------------------------------
 
-def run_two_ranks(*args: str) -> None:
-    """Run `worker_main(*args)` on two ranks under torchrun."""
-    # --standalone: a rendezvous on a free local port, so concurrent launches cannot collide.
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node=2", "-m", "tests.test_data_loader", *args]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests")])}
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=180)
-    assert done.returncode == 0, done.stderr[-3000:]
+RESUME_AFTER = 5
+"""Batches read before the position is saved."""
 
 
-def test_world_size_2_matches_world_size_1_and_resumes_exactly(tiny_dataset, tmp_path):
+def test_world_size_2_matches_world_size_1_and_resumes_exactly(tiny_dataset, two_rank_reads):
     """Two ranks read the same global batches as one rank, and resume mid-epoch exactly."""
-    run_two_ranks(tiny_dataset, str(tmp_path))
-    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1)]
+    ranks = [torch.load(two_rank_reads / f"rank{rank}.pt") for rank in (0, 1)]
     # Elastic determinism: global batch k at world size 2 holds the samples of batch k at world
     # size 1 (micro-batch 4 x 2 ranks == 8); rank r holds positions r, r + 2, ...
     single = take(build_loader(tiny_dataset, "train", micro_batch_size=8, seed=11,
                                repeat=False))
-    assert len(ranks[0]["full"]) == len(ranks[1]["full"]) == len(single) > 10
-    for k, batch in enumerate(single):
-        assert torch.equal(ranks[0]["full"][k], batch[0::2])
-        assert torch.equal(ranks[1]["full"][k], batch[1::2])
-    for result in ranks:
-        assert len(result["resumed"]) == len(result["full"]) - RESUME_AFTER
-        assert all(torch.equal(a, b)
-                   for a, b in zip(result["resumed"], result["full"][RESUME_AFTER:]))
+    check_two_ranks(ranks, single)
     # The small val split is spread over both ranks: every window is read, and at most one is
     # read twice (streaming balances an odd count over two ranks by repeating a window).
     val = rows(ranks[0]["val"] + ranks[1]["val"])
@@ -211,28 +195,50 @@ def test_world_size_2_matches_world_size_1_and_resumes_exactly(tiny_dataset, tmp
     assert len(expected) - len(set(val)) < 2 * 2  # only the last partial global batch
 
 
-RESUME_AFTER = 5
-"""Batches read before the position is saved."""
+def check_two_ranks(ranks: list[dict], single: list[torch.Tensor]) -> None:
+    """Each rank read its half of world size 1's batches `single`, and resumed exactly."""
+    assert len(ranks[0]["full"]) == len(ranks[1]["full"]) == len(single) > 10
+    for k, batch in enumerate(single):
+        assert torch.equal(ranks[0]["full"][k], batch[0::2])
+        assert torch.equal(ranks[1]["full"][k], batch[1::2])
+    for result in ranks:
+        assert len(result["resumed"]) == len(result["full"]) - RESUME_AFTER
+        assert all(torch.equal(a, b)
+                   for a, b in zip(result["resumed"], result["full"][RESUME_AFTER:]))
 
 
-def worker_main(data_dir: str, out_dir: str) -> None:
+def mixture_of(a: str, b: str) -> list:
+    """The two-dataset mixture the world-size-2 worker reads (as `data.mixture` entries)."""
+    return [SimpleNamespace(path=a, proportion=0.5, repeat=None),
+            SimpleNamespace(path=b, proportion=0.5, repeat=None)]
+
+
+def read_and_resume(make_loader, out_dir: str, name: str) -> dict:
+    """A whole epoch, and the same epoch resumed after RESUME_AFTER batches by a new loader (as
+    a restarted job builds it); the saved position goes to `out_dir/{name}_state{rank}.pt`."""
+    loader = make_loader()
+    iterator = iter(loader)
+    full = take(iterator, RESUME_AFTER)
+    state_path = os.path.join(out_dir, f"{name}_state{torch.distributed.get_rank()}.pt")
+    torch.save(loader.state_dict(), state_path)
+    full += take(iterator)
+    resumed_loader = make_loader()
+    resumed_loader.load_state_dict(torch.load(state_path))
+    return {"full": full, "resumed": take(resumed_loader)}
+
+
+def worker_main(data_dir: str, mixture_a: str, mixture_b: str, out_dir: str) -> None:
     torch.distributed.init_process_group("gloo")
     rank = torch.distributed.get_rank()
     options = dict(micro_batch_size=4, seed=11, repeat=False)
-    loader = build_loader(data_dir, "train", **options)
-    iterator = iter(loader)
-    full = take(iterator, RESUME_AFTER)
-    state_path = os.path.join(out_dir, f"state{rank}.pt")
-    torch.save(loader.state_dict(), state_path)
-    full += take(iterator)
-    # A new loader, as a restarted job builds it, continues from the saved position.
-    resumed_loader = build_loader(data_dir, "train", **options)
-    resumed_loader.load_state_dict(torch.load(state_path))
-    resumed = take(resumed_loader)
-    val = take(build_loader(data_dir, "val", micro_batch_size=2, seed=0, shuffle=False,
-                            repeat=False))
-    torch.save({"full": full, "resumed": resumed, "val": val},
-               os.path.join(out_dir, f"rank{rank}.pt"))
+    result = read_and_resume(lambda: build_loader(data_dir, "train", **options), out_dir, "single")
+    result["val"] = take(build_loader(data_dir, "val", micro_batch_size=2, seed=0, shuffle=False,
+                                      repeat=False))
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    mixture = read_and_resume(lambda: build_loader(mixture_a, "train", **options,
+                                                   mixture=mixture_of(mixture_a, mixture_b)),
+                              out_dir, "mixture")
+    torch.save(mixture, os.path.join(out_dir, f"mixture_rank{rank}.pt"))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
