@@ -166,7 +166,7 @@ def trained_run():
     name = "sample-gpt"
     result = subprocess.run(runs.train_command([f"run_name={name}", "model.flavor=gpt-tiny", "zero.stage=0",
                                                 "train.max_steps=4", "checkpoint.interval=4"], nproc=1),
-                            env=runs.child_env(), cwd=runs.REPO, capture_output=True, text=True, timeout=300)
+                            env=runs.child_env(), cwd=runs.REPO, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return runs.run_dir(name)
 
