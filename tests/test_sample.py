@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -161,31 +162,41 @@ def command(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
-@pytest.fixture(scope="module")
-def trained_run():
-    """A tiny character-level GPT trained for 4 steps in one process (block size 32)."""
-    name = "sample-gpt"
-    result = subprocess.run(runs.train_command([f"run_name={name}", "model.flavor=gpt-tiny", "zero.stage=0",
-                                                "train.max_steps=4", "checkpoint.interval=4"], nproc=1),
+def train_tiny(flavor: str, steps: int) -> Path:
+    """A tiny character-level run trained for `steps` steps in one process (block size 32)."""
+    name = f"sample-{flavor}"
+    result = subprocess.run(runs.train_command([f"run_name={name}", f"model.flavor={flavor}", "zero.stage=0",
+                                                f"train.max_steps={steps}", f"checkpoint.interval={steps}",
+                                                "eval.sample_tokens=0"], nproc=1),
                             env=runs.child_env(), cwd=runs.REPO, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return runs.run_dir(name)
 
 
-def test_command_greedy_output_is_the_models_greedy_text(trained_run, tmp_path):
+@pytest.fixture(scope="module")
+def trained_run():
+    return train_tiny("gpt-tiny", 4)
+
+
+def greedy_text(source, prompt: str, new_tokens: int, **logit_options) -> str:
+    """The prompt and its greedy continuation by full recompute, over the tokenizer's ids."""
     from pretrain.trained import load_trained
 
-    result = command(str(trained_run), "--prompt", "ROMEO:", "--max-new-tokens", "12", "--temperature", "0")
-    assert result.returncode == 0, result.stderr
-    trained = load_trained(trained_run)
+    trained = load_trained(source)
     tokenizer, model = trained.tokenizer, trained.model
-    idx = torch.tensor([[int(i) for i in tokenizer.encode("ROMEO:")]])
+    idx = torch.tensor([[int(i) for i in tokenizer.encode(prompt)]])
     with torch.no_grad():
-        for _ in range(12):
-            logits = model.next_token_logits(idx)
+        for _ in range(new_tokens):
+            logits = model.next_token_logits(idx, **logit_options)
             logits[:, tokenizer.vocab_size:] = float("-inf")  # the padded ids decode to nothing
             idx = torch.cat([idx, logits.argmax(-1, keepdim=True)], dim=1)
-    assert result.stdout == tokenizer.decode(idx[0].tolist()) + "\n"
+    return tokenizer.decode(idx[0].tolist())
+
+
+def test_command_greedy_output_is_the_models_greedy_text(trained_run, tmp_path):
+    result = command(str(trained_run), "--prompt", "ROMEO:", "--max-new-tokens", "12", "--temperature", "0")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == greedy_text(trained_run, "ROMEO:", 12) + "\n"
     # an exported file samples the same text
     exported = tmp_path / "model.safetensors"
     export.export(trained_run, exported)
@@ -225,6 +236,14 @@ def test_bad_input_is_one_line_and_prints_nothing(trained_run, args, message, ca
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err.startswith("error: ") and captured.err.count("\n") == 1 and message in captured.err
+
+
+def test_command_thinks_with_the_ebt_options():
+    run = train_tiny("ebt-tiny", 1)
+    result = command(str(run), "--prompt", "ROMEO:", "--max-new-tokens", "6", "--temperature", "0",
+                     "--think-steps", "3", "--best-of", "2")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == greedy_text(run, "ROMEO:", 6, steps=3, best_of=2) + "\n"
 
 
 def test_run_without_complete_checkpoint_is_refused(trained_run, tmp_path):
