@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from pretrain.models.common import LanguageModel, ModelOutput
+from pretrain.models.common import DecodeCache, LanguageModel, ModelOutput
 
 CHECKPOINTING_MODES = ("off", "step", "block")
 
@@ -113,18 +113,22 @@ class LearnedPositionLM(LanguageModel):
         """The LM head's matmul (2 D V per token forward, x3 in training)."""
         return (6 if training else 2) * self.config.n_embd * self.config.vocab_size
 
-    def trunk(self, x: torch.Tensor, return_energies: bool) -> tuple[torch.Tensor, dict]:
-        """[B, T, D] embeddings -> ([B, T, D] final state, diagnostics)."""
+    def trunk(self, x: torch.Tensor, return_energies: bool,
+              cache: DecodeCache | None = None) -> tuple[torch.Tensor, dict]:
+        """[B, T, D] embeddings -> ([B, T, D] final state, diagnostics); with a cache, x holds
+        the new tokens only (see `common.DecodeCache`)."""
         raise NotImplementedError
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
-                return_energies: bool = False) -> ModelOutput:
-        seq_len = idx.size(1)
-        if seq_len > self.config.block_size:
-            raise ValueError(f"sequence length {seq_len} exceeds block_size {self.config.block_size}")
-        positions = torch.arange(seq_len, device=idx.device)
+                return_energies: bool = False, cache: DecodeCache | None = None) -> ModelOutput:
+        start, seq_len = 0 if cache is None else cache.length, idx.size(1)
+        if start + seq_len > self.config.block_size:
+            raise ValueError(f"sequence length {start + seq_len} exceeds block_size {self.config.block_size}")
+        if cache is not None:
+            cache.remember(idx)
+        positions = torch.arange(start, start + seq_len, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(positions))
-        x, diagnostics = self.trunk(x, return_energies)
+        x, diagnostics = self.trunk(x, return_energies, cache)
         logits = self.lm_head(self.ln_f(x))
         loss = None
         if targets is not None:

@@ -1,8 +1,15 @@
-"""Pieces every model family shares: the output type and the base class with the
-bookkeeping the trainer relies on (parameter counts, optimizer hints, generation)."""
+"""Pieces every model family shares: the output type, the base class with the bookkeeping the
+trainer relies on (parameter counts, optimizer hints, generation), and the decoding cache.
+
+Incremental decoding: `forward(idx, cache=cache)` (EBT: `next_token_logits(idx, cache)`) runs
+only the new tokens `idx`, reading what the earlier tokens left in the cache (keys and values
+per attention layer or recurrent step) and adding theirs; its logits equal those of a forward
+over the whole sequence up to float rounding. `decode` is the one generation loop on top."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
+from typing import Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -62,17 +69,132 @@ class LanguageModel(nn.Module):
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int | None = None) -> torch.Tensor:
-        """Sample continuations of idx [B, T0]; the context is cropped to the block size."""
-        for _ in range(max_new_tokens):
-            context = idx[:, -self.config.block_size:]
-            logits = self.next_token_logits(context) / max(temperature, 1e-5)
-            if top_k is not None:
-                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            next_token = torch.multinomial(F.softmax(logits.float(), dim=-1), num_samples=1)
-            idx = torch.cat([idx, next_token], dim=1)
-        return idx
+        """Sample continuations of idx [B, T0] (decoded incrementally; past the block size the
+        context is the last block_size tokens)."""
+        choose = functools.partial(sample_logits, temperature=temperature, top_k=top_k)
+        new = list(decode(self, idx, max_new_tokens, choose))
+        return torch.cat([idx, *(token[:, None] for token in new)], dim=1)
 
-    def next_token_logits(self, context: torch.Tensor) -> torch.Tensor:
-        """[B, V] logits for the token after `context`; EBT overrides this with its descent."""
-        return self(context).logits[:, -1, :]
+    def next_token_logits(self, idx: torch.Tensor, cache: DecodeCache | None = None) -> torch.Tensor:
+        """[B, V] logits for the token after `idx` (without a cache: the whole context), or
+        after the tokens in `cache` followed by `idx` (which the cache then holds too); EBT
+        overrides this with its descent."""
+        return self(idx, cache=cache).logits[:, -1, :]
+
+
+class KVSlot:
+    """What one attention layer (or one recurrent step) keeps of the tokens seen so far:
+    tensors [B, H, tokens, d] (keys, values, or whatever the layer needs), in buffers that grow
+    by doubling so that appending a token costs no copy of the earlier ones."""
+
+    def __init__(self):
+        self.buffers: list[torch.Tensor] = []
+        self.length = 0
+
+    def contents(self) -> tuple[torch.Tensor, ...]:
+        return tuple(b[:, :, :self.length] for b in self.buffers)
+
+    def append(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Add the new tokens' tensors (dim 2); returns every token's so far."""
+        end = self.length + tensors[0].size(2)
+        if not self.buffers or end > self.buffers[0].size(2):
+            capacity = max(16, 2 * end)
+            grown = [t.new_empty(*t.shape[:2], capacity, t.size(3)) for t in tensors]
+            for new, old in zip(grown, self.buffers):
+                new[:, :, :self.length] = old[:, :, :self.length]
+            self.buffers = grown
+        for buffer, t in zip(self.buffers, tensors):
+            buffer[:, :, self.length:end] = t
+        self.length = end
+        return self.contents()
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of the new tokens' queries [B, H, n, d] over every key so far, after
+        appending the new keys and values."""
+        keys, values = self.append(k, v)
+        n_new, n_all = q.size(2), keys.size(2)
+        if n_new == n_all:
+            return F.scaled_dot_product_attention(q, keys, values, is_causal=True)
+        # SDPA's is_causal aligns the mask to the first key, not to the last
+        mask = None if n_new == 1 else torch.ones(n_new, n_all, dtype=torch.bool, device=q.device).tril(n_all - n_new)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+
+
+class DecodeCache:
+    """The state incremental decoding keeps between calls: the token ids seen so far and one
+    `KVSlot` per attention layer or recurrent step (created on first use, any hashable key)."""
+
+    def __init__(self):
+        self.tokens: torch.Tensor | None = None
+        """[B, length] ids of every token the cache holds."""
+        self.slots: dict = {}
+
+    @property
+    def length(self) -> int:
+        return 0 if self.tokens is None else self.tokens.size(1)
+
+    def slot(self, key) -> KVSlot:
+        return self.slots.setdefault(key, KVSlot())
+
+    def remember(self, idx: torch.Tensor) -> int:
+        """Record the new tokens idx [B, n]; returns the position of the first."""
+        start = self.length
+        self.tokens = idx if self.tokens is None else torch.cat([self.tokens, idx], dim=1)
+        return start
+
+
+def sample_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
+                  top_p: float | None = None) -> torch.Tensor:
+    """[B] tokens drawn from logits [B, V] (torch's global RNG): temperature 0 is greedy
+    (argmax); `top_k` keeps the k most likely tokens, `top_p` the smallest set of most likely
+    tokens whose probability reaches p (nucleus sampling)."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1:
+        ordered, order = logits.sort(dim=-1, descending=True)
+        probs = ordered.softmax(dim=-1)
+        # a token is dropped when the more likely ones already reach p (the first is always kept)
+        dropped_in_order = probs.cumsum(dim=-1) - probs >= top_p
+        logits = logits.masked_fill(dropped_in_order.scatter(-1, order, dropped_in_order), float("-inf"))
+    return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1).squeeze(-1)
+
+
+@torch.no_grad()
+def decode(model: LanguageModel, prompts: torch.Tensor, max_new_tokens: int,
+           choose: Callable[[torch.Tensor], torch.Tensor], prompt_lengths: list[int] | None = None,
+           on_slide: Callable[[], None] | None = None, **logit_options) -> Iterator[torch.Tensor]:
+    """Generate from prompts [B, T0] one position at a time with a decoding cache, yielding the
+    [B] tokens of each position from the shortest prompt's length on. Prompts of different
+    lengths are right-padded, with `prompt_lengths` giving each row's: a row still inside its
+    prompt is fed its prompt token instead of the chosen one, so every row stays at the same
+    position. The longest prompt gets `max_new_tokens` chosen tokens (shorter ones get more).
+    `choose(logits [B, V]) -> [B]` picks the tokens; `logit_options` go to
+    `next_token_logits` (EBT: steps, best_of). Once the sequence would pass the block size, every
+    token recomputes the last block_size tokens into a fresh cache (`on_slide` is called then,
+    once)."""
+    block_size = model.config.block_size
+    lengths = torch.tensor(prompt_lengths or [prompts.size(1)] * prompts.size(0), device=prompts.device)
+    position = int(lengths.min())
+    idx = prompts[:, :position]
+    cache = DecodeCache()
+    logits = model.next_token_logits(idx[:, -block_size:], cache, **logit_options)
+    slid = False
+    for i in range(int(lengths.max()) - position + max_new_tokens):
+        if i and cache.length < block_size:
+            logits = model.next_token_logits(idx[:, -1:], cache, **logit_options)
+        elif i:
+            if not slid and on_slide is not None:
+                on_slide()
+            slid = True
+            cache = DecodeCache()
+            logits = model.next_token_logits(idx[:, -block_size:], cache, **logit_options)
+        token = choose(logits)
+        if position < prompts.size(1):  # rows still inside their prompt keep its token
+            token = torch.where(lengths > position, prompts[:, position], token)
+        yield token
+        idx = torch.cat([idx, token[:, None]], dim=1)
+        position += 1

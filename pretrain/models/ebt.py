@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pretrain.models.blocks import check_choice, check_positive, maybe_checkpoint
-from pretrain.models.common import LanguageModel, ModelOutput
+from pretrain.models.common import DecodeCache, LanguageModel, ModelOutput
 from pretrain.models.ebt_attention import two_stream_attention
 from pretrain.models.llama import (Block, LlamaConfig, RMSNorm, block_flops, causal_attention, check_length,
                                    init_weights, rotary_tables)
@@ -281,10 +281,13 @@ class EnergyDescent(nn.Module):
         positions = torch.arange(first_position, first_position + length, device=like.device)
         return rotary_tables(positions, self.config.head_dim, self.config.rope_theta, like.dtype)
 
-    def observe(self, idx: torch.Tensor, step: int,
-                anchor: torch.Tensor | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def observe(self, idx: torch.Tensor, step: int, anchor: torch.Tensor | None = None,
+                cache: DecodeCache | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, the rotated keys and values [B, H, T (+1), hd] of the observed stream:
-        causal attention over the observed tokens (after the step embedding, if any)."""
+        causal attention over the observed tokens (after the step embedding, if any). With a
+        decoding cache only the tokens of idx it has not seen run (see `observe_cached`)."""
+        if cache is not None:
+            return self.observe_cached(idx, step, cache)
         x = self.tok_embeddings(idx)
         if anchor is not None:
             x = x + anchor.sum()  # adds 0; see `forward`
@@ -301,6 +304,28 @@ class EnergyDescent(nn.Module):
         last = self.layers[-1]
         observed.append(last.attention.keys_values(last.attention_norm(x), rope))
         return observed
+
+    def observe_cached(self, idx: torch.Tensor, step: int, cache: DecodeCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`observe` for decoding: idx [k B, T] is the cache's B rows of tokens (repeated k
+        times for best-of-k); the tokens the cache has not run yet go through the layers, whose
+        keys and values are appended to the cache's slots. With step conditioning the stream
+        differs per step embedding, so each has its own slots."""
+        conditioning = min(step, self.config.n_steps - 1) if self.time_embeddings is not None else 0
+        slots = [cache.slot(("observed", conditioning, i)) for i in range(len(self.layers))]
+        rows = cache.tokens.size(0)
+        seen = slots[0].length  # stream positions, the step embedding included
+        new = idx[:rows, max(0, seen - self.config.n_prefix):]
+        if new.size(1):
+            x = self.tok_embeddings(new)
+            if self.time_embeddings is not None and seen == 0:
+                x = torch.cat([self.time_embeddings(new.new_full((rows, 1), conditioning)), x], dim=1)
+            rope = self._rope(seen, x.size(1), x)
+            for layer, slot in zip(self.layers[:-1], slots):
+                x = layer(x, rope, slot.attend)[0]
+            last = self.layers[-1]
+            slots[-1].append(*last.attention.keys_values(last.attention_norm(x), rope))
+        repeats = idx.size(0) // rows
+        return [tuple(t.repeat(repeats, 1, 1, 1) for t in slot.contents()) for slot in slots]
 
     def candidate_table(self) -> torch.Tensor:
         """W_ve [V, D]: the candidate p [.., V] is embedded as p @ W_ve."""
@@ -354,11 +379,13 @@ class EnergyDescent(nn.Module):
     def forward(self, idx: torch.Tensor, candidate: torch.Tensor, n_steps: int,
                 anchor: torch.Tensor | None = None, targets: torch.Tensor | None = None,
                 alpha_scale: torch.Tensor | None = None, noise_std: float = 0.0,
-                learning: bool = False, final_energy: bool = False) -> DescentResult:
+                learning: bool = False, final_energy: bool = False,
+                cache: DecodeCache | None = None) -> DescentResult:
         """Descend `n_steps` from `candidate` [B, R, V], the initial logits of the last R
         positions of `idx` [B, T] (R = T for a whole sequence). `targets` [B, R] gives the
         per-step losses; `alpha_scale` [B, R, 1] multiplies the step size; `learning` builds the
-        second-order graph; `final_energy` also scores the final candidate.
+        second-order graph; `final_energy` also scores the final candidate; a decoding `cache`
+        keeps the observed stream's keys and values across calls (`observe_cached`).
 
         `anchor`, in training, is an empty tensor that requires grad, added (as 0) to the
         observed embeddings, so its gradient is the last one the backward computes. DeepSpeed
@@ -372,7 +399,7 @@ class EnergyDescent(nn.Module):
         observed = None
         if cfg.reuse_observed_stream:
             with torch.set_grad_enabled(learning):
-                observed = self.observe(idx, 0, anchor)
+                observed = self.observe(idx, 0, anchor, cache)
         checkpointed = learning and cfg.activation_checkpointing == "step"
         keep_graph = learning and not cfg.detach_between_steps
         first_row = idx.size(1) - candidate.size(1)
@@ -384,7 +411,7 @@ class EnergyDescent(nn.Module):
                     with torch.set_grad_enabled(learning):
                         # checkpointed apart from the step: inside it, the step's autograd.grad
                         # would recompute and keep these activations until the backward
-                        step_observed = maybe_checkpoint(checkpointed, self.observe, idx, t, anchor)
+                        step_observed = maybe_checkpoint(checkpointed, self.observe, idx, t, anchor, cache)
                 second_order = learning and (t == n_steps - 1 or not cfg.truncate_loss)
                 if checkpointed:
                     settings = (first_row, noise_std, second_order, keep_graph, 2 * len(step_observed))
@@ -399,7 +426,7 @@ class EnergyDescent(nn.Module):
         if final_energy:
             with torch.no_grad():
                 if observed is None:
-                    observed = self.observe(idx, n_steps)
+                    observed = self.observe(idx, n_steps, cache=cache)
                 embedded = y.softmax(dim=-1).to(self.candidate_table().dtype) @ self.candidate_table()
                 energies.append(self.energy(embedded, observed, first_row))
         loss = per_step = None
@@ -556,12 +583,13 @@ class EBT(LanguageModel):
     @torch.no_grad()
     def think(self, idx: torch.Tensor, steps: int | None = None, best_of: int = 1,
               targets: torch.Tensor | None = None, last_only: bool = False,
-              langevin_noise: bool | None = None) -> ThinkOutput:
+              langevin_noise: bool | None = None, cache: DecodeCache | None = None) -> ThinkOutput:
         """Inference with `steps` descent steps (default n_steps; more is "thinking longer")
         from `best_of` seeded noise samples per position, keeping per position the sample with
         the lowest final energy. No training randomness; Langevin noise (seeded) if
         `langevin_noise`, default `langevin_noise_eval`. `targets` [B, T] adds the loss after
-        each step (the eval "thinking curve"); `last_only` predicts only the last position."""
+        each step (the eval "thinking curve"); `last_only` predicts only the last position; a
+        decoding `cache` holding idx's tokens gives the observed stream of those it has run."""
         steps = steps or self.config.n_steps
         B, T = idx.shape
         check_length(self.config, T)
@@ -573,7 +601,7 @@ class EBT(LanguageModel):
             (self.config.langevin_noise_std if langevin_noise else 0.0)
         with self.eval_noise_rng(noise_std, idx.device):
             result = self.descent(idx.repeat(best_of, 1), candidate, steps, targets=targets,
-                                  noise_std=noise_std, final_energy=True)
+                                  noise_std=noise_std, final_energy=True, cache=cache)
         choice = result.energies[-1].view(best_of, B, rows).argmin(dim=0)  # [B, rows]
 
         def chosen(x: torch.Tensor, sample_dim: int) -> torch.Tensor:
@@ -589,8 +617,14 @@ class EBT(LanguageModel):
         return ThinkOutput(F.log_softmax(chosen(result.candidate, 0), dim=-1), chosen(result.energies, 1),
                            loss_per_step)
 
-    def next_token_logits(self, context: torch.Tensor) -> torch.Tensor:
-        return self.think(context, last_only=True).logits[:, -1, :]
+    def next_token_logits(self, idx: torch.Tensor, cache: DecodeCache | None = None, steps: int | None = None,
+                          best_of: int = 1) -> torch.Tensor:
+        """Thinking with `steps` descent steps (default n_steps) from `best_of` candidates, for
+        the new position only: with a cache, the observed stream runs idx's tokens alone."""
+        if cache is not None:
+            cache.remember(idx)
+            idx = cache.tokens
+        return self.think(idx, steps, best_of, last_only=True, cache=cache).logits[:, -1, :]
 
     def embedding_parameters(self) -> list[nn.Parameter]:
         """The input embedding and the candidate embedding W_ve (the two V x D tables)."""

@@ -9,6 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pretrain.models.blocks import LearnedPositionLM, LMConfig, check_choice, check_positive, maybe_checkpoint
+from pretrain.models.common import KVSlot
 from pretrain.models.registry import register_family, register_flavor
 
 ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU}
@@ -64,12 +65,16 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVSlot | None = None) -> torch.Tensor:
+        """With a cache, x holds the new tokens, attending to the cached ones too."""
         B, T, D = x.shape
         q, k, v = self.c_attn(x).split(D, dim=2)
         q, k, v = (t.view(B, T, self.n_head, D // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        if cache is not None:
+            y = cache.attend(q, k, v)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                               dropout_p=self.dropout if self.training else 0.0)
         return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(B, T, D)))
 
 
@@ -96,10 +101,10 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVSlot | None = None) -> torch.Tensor:
         if self.parallel:
-            return x + self.attn(self.ln_1(x)) + self.mlp(self.ln_2(x))
-        x = x + self.attn(self.ln_1(x))
+            return x + self.attn(self.ln_1(x), cache) + self.mlp(self.ln_2(x))
+        x = x + self.attn(self.ln_1(x), cache)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -116,9 +121,10 @@ class GPT(LearnedPositionLM):
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.init_weights(residual_projections=("c_proj.weight",), depth=config.n_layer)
 
-    def trunk(self, x, return_energies=False):
-        for block in self.blocks:
-            x = maybe_checkpoint(self.config.activation_checkpointing != "off", block, x)
+    def trunk(self, x, return_energies=False, cache=None):
+        for i, block in enumerate(self.blocks):
+            slot = None if cache is None else cache.slot(i)
+            x = maybe_checkpoint(self.config.activation_checkpointing != "off", block, x, slot)
         return x, {}
 
     def flops_per_token(self, seq_len: int, training: bool = True) -> float:
@@ -135,10 +141,12 @@ class GPTRec(LearnedPositionLM):
         self.block = Block(config, parallel=True)
         self.init_weights(residual_projections=("c_proj.weight",), depth=config.n_steps)
 
-    def trunk(self, x, return_energies=False):
-        # "step" and "block" coincide: the one block is the step.
-        for _ in range(self.config.n_steps):
-            x = maybe_checkpoint(self.config.activation_checkpointing != "off", self.block, x)
+    def trunk(self, x, return_energies=False, cache=None):
+        # "step" and "block" coincide: the one block is the step. Each step attends to its
+        # own keys and values, so a decoding cache keeps them per step.
+        for step in range(self.config.n_steps):
+            slot = None if cache is None else cache.slot(step)
+            x = maybe_checkpoint(self.config.activation_checkpointing != "off", self.block, x, slot)
         return x, {}
 
     def flops_per_token(self, seq_len: int, training: bool = True) -> float:

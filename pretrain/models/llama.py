@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pretrain.models.blocks import CHECKPOINTING_MODES, check_choice, check_positive, maybe_checkpoint
-from pretrain.models.common import LanguageModel, ModelOutput
+from pretrain.models.common import DecodeCache, LanguageModel, ModelOutput
 from pretrain.models.registry import register_family, register_flavor
 
 Rope = tuple[torch.Tensor, torch.Tensor]
@@ -210,14 +210,19 @@ class TransformerPP(LanguageModel):
         init_weights(self, config)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
-                return_energies: bool = False) -> ModelOutput:
-        check_length(self.config, idx.size(1))
+                return_energies: bool = False, cache: DecodeCache | None = None) -> ModelOutput:
+        """With a cache, idx holds the new tokens (see `common.DecodeCache`)."""
+        start = 0 if cache is None else cache.length
+        check_length(self.config, start + idx.size(1))
+        if cache is not None:
+            cache.remember(idx)
         x = self.tok_embeddings(idx)
-        positions = torch.arange(idx.size(1), device=idx.device)
+        positions = torch.arange(start, start + idx.size(1), device=idx.device)
         rope = rotary_tables(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
         checkpointed = self.config.activation_checkpointing != "off"
-        for layer in self.layers:
-            x = maybe_checkpoint(checkpointed, layer, x, rope)[0]
+        for i, layer in enumerate(self.layers):
+            attend = causal_attention if cache is None else cache.slot(i).attend
+            x = maybe_checkpoint(checkpointed, layer, x, rope, attend)[0]
         logits = self.output(self.norm(x))
         loss = None
         if targets is not None:

@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pretrain.models.blocks import LearnedPositionLM, LMConfig, check_choice, check_positive, maybe_checkpoint
+from pretrain.models.common import DecodeCache, KVSlot
 from pretrain.models.registry import register_family, register_flavor
 
 
@@ -157,11 +158,15 @@ class EnergyAttention(nn.Module):
         lse = torch.logsumexp(self.masked_scores(q, k), dim=-1, keepdim=True)  # [B, H, T', 1]
         return -self.pad_first(self.weighted(lse)).sum(dim=1).squeeze(-1) / self.beta
 
-    def forward(self, g: torch.Tensor) -> torch.Tensor:
-        """[B, T, D] closed-form dE_AT(A)/dg_A for every token A."""
+    def forward(self, g: torch.Tensor, cache: KVSlot | None = None) -> torch.Tensor:
+        """[B, T, D] closed-form dE_AT(A)/dg_A for every token A; with a decoding cache, g holds
+        the new tokens, whose key sets include the cached tokens (see `mix_cached`)."""
+        if cache is not None:
+            return self.gradient(*self.mix_cached(g, cache))
         q, k = self.project(g)
         q_seen, k_seen = self.key_sets(q, k)
         dropout = self.dropout if self.training else 0.0
+        p_self = None
         if self.explicit:
             # The scores as a tensor: the same FLOPs as attention, O(T^2) memory per head, no
             # fused kernel. (torch's softmax accumulates bf16 in float32, as the fused kernels.)
@@ -174,11 +179,46 @@ class EnergyAttention(nn.Module):
         else:
             mixed = F.scaled_dot_product_attention(q_seen, k_seen, k_seen, is_causal=True,
                                                    scale=self.beta, dropout_p=dropout)
-        mixed = self.weighted(self.pad_first(mixed))
+        return self.gradient(q, self.pad_first(mixed), p_self, dropout)
+
+    def gradient(self, q: torch.Tensor, mixed: torch.Tensor, p_self: torch.Tensor | None,
+                 dropout: float = 0.0) -> torch.Tensor:
+        """dE_AT(A)/dg_A [B, T, D] from the queries, the mixed keys sum_B p_AB k_hB [B, H, T, d]
+        (zero for a token without keys) and, for the self term, p_AA [B, H, T, 1]; `dropout`
+        on the summed attention term (the released placement, in training)."""
+        mixed = self.weighted(mixed)
         grad = -(merge_heads(mixed) @ self.query.weight if self.lowrank else mixed.sum(dim=1))
         if self.self_term:
             grad = grad - merge_heads(self.weighted(p_self * q)) @ self.key.weight
         return F.dropout(grad, dropout) if dropout else grad
+
+    def mix_cached(self, g: torch.Tensor, cache: KVSlot) -> tuple[torch.Tensor, ...]:
+        """(queries, mixed keys, p_AA or None) of the new tokens g [B, n, D] over the cached
+        tokens and themselves, with explicit scores (a few rows: no fused kernel needed).
+        Lowrank heads cache their keys W_K g_B. Full heads cache g_B itself, D numbers per token
+        instead of the H D of the keys J_h^T g_B: g_A . J_h^T g_B = (J_h g_A) . g_B, and the
+        mix sum_B p_AB J_h^T g_B = J_h^T (sum_B p_AB g_B), so J_h moves to the new token's side."""
+        B, n, D = g.shape
+        first = cache.length
+        if self.lowrank:
+            q, k = self.project(g)
+            (keys,) = cache.append(k)
+            scores = (q @ keys.transpose(-1, -2)) * self.beta
+        else:
+            q = g.unsqueeze(1).expand(B, self.n_head, n, D)
+            per_head = self.key.weight.view(self.n_head, D, D)  # head h's rows: J_h^T
+            (keys,) = cache.append(g.unsqueeze(1))
+            scores = (g.unsqueeze(1) @ per_head) @ keys.transpose(-1, -2)  # beta = 1
+        query_positions = torch.arange(first, first + n, device=g.device)[:, None]
+        key_positions = torch.arange(keys.size(2), device=g.device)
+        visible = key_positions < query_positions if self.strict else key_positions <= query_positions
+        p = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        p = torch.where(visible.any(-1, keepdim=True), p, 0.0)  # strict: token 0 has no keys
+        mixed = p @ keys
+        if not self.lowrank:
+            mixed = mixed @ per_head.transpose(-1, -2)
+        p_self = p.gather(-1, query_positions.expand(B, self.n_head, n, 1)) if self.self_term else None
+        return q, mixed, p_self
 
 
 class MixAndSelfWeight(torch.autograd.Function):
@@ -334,18 +374,19 @@ class EnergyBlock(nn.Module):
         """[B, T] per-token energies at normalised state g."""
         return self.attn.energy(g) + self.s_ff * self.ff.energy(g)
 
-    def energy_gradient(self, g: torch.Tensor) -> torch.Tensor:
+    def energy_gradient(self, g: torch.Tensor, cache: KVSlot | None = None) -> torch.Tensor:
         """[B, T, D]: row A is dE(A)/dg_A (closed form)."""
-        return self.attn(g) + self.s_ff * self.ff(g)
+        return self.attn(g, cache) + self.s_ff * self.ff(g)
 
-    def forward(self, x: torch.Tensor, step: int, return_energy: bool = False):
-        """(next state, [B, T] energies at x or None)."""
+    def forward(self, x: torch.Tensor, step: int, return_energy: bool = False, cache: KVSlot | None = None):
+        """(next state, [B, T] energies at x or None); with a decoding cache (this step's), x
+        holds the new tokens."""
         g = self.norm(x)
         energy = None
         if return_energy:
             with torch.no_grad():
                 energy = self.energy(g)
-        return x - self.eta(self.energy_gradient(g), step, self.norm.weight), energy
+        return x - self.eta(self.energy_gradient(g, cache), step, self.norm.weight), energy
 
 
 class Recurrence(nn.Module):
@@ -358,11 +399,14 @@ class Recurrence(nn.Module):
         self.config = config
         self.block = EnergyBlock(config)
 
-    def forward(self, x: torch.Tensor, want_energy: bool) -> tuple[torch.Tensor, dict]:
+    def forward(self, x: torch.Tensor, want_energy: bool,
+                cache: DecodeCache | None = None) -> tuple[torch.Tensor, dict]:
         checkpointed = self.config.activation_checkpointing != "off"
         energies = []
         for step in range(self.config.n_steps):
-            x, energy = maybe_checkpoint(checkpointed, self.block, x, step, want_energy)
+            # token A's state at step t depends on tokens <= A only: each step's keys are cached
+            slot = None if cache is None else cache.slot(step)
+            x, energy = maybe_checkpoint(checkpointed, self.block, x, step, want_energy, slot)
             energies.append(energy)
         diagnostics = {"s_ff": self.block.s_ff.detach()[0], "eta_scale": self.block.eta.scale()}
         if want_energy:
@@ -388,8 +432,9 @@ class NRGPT(LearnedPositionLM):
         # The block calls its submodules' energy methods, not only their forward hooks.
         return [Recurrence]
 
-    def trunk(self, x, return_energies=False):
-        return self.recurrence(x, return_energies or self.config.log_energy)
+    def trunk(self, x, return_energies=False, cache=None):
+        # energies need the attention scores of every token: not computed when decoding
+        return self.recurrence(x, (return_energies or self.config.log_energy) and cache is None, cache)
 
     def flops_per_token(self, seq_len: int, training: bool = True) -> float:
         """Matmul FLOPs (2 per multiply-accumulate) of one step, times n_steps, plus the LM head.

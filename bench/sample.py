@@ -1,0 +1,118 @@
+"""Incremental decoding against full recompute: generated tokens per second of every family,
+with the decoding cache and without it, at prompts of 128 and 512 tokens.
+
+    python -m bench.sample [--prompts 128 512] [--new-tokens 16] [--block-size 640] [--rounds 2]
+
+"Without the cache" is what generation did before it: each new token runs the model over the
+whole context (for EBT, the observed stream over every token, then the descent). "With the
+cache" is `pretrain.models.common.decode`: the prompt once (its time is reported apart, as
+prefill), then each token runs alone against the cached keys and values. Both decode greedily
+from the same untrained weights, batch 1, and must pick the same tokens (checked). Sizes: the
+`-tiny` flavors, and a small shape (D=128, 4 heads, 6 layers or recurrent steps: gpt-small and
+nrgpt-small, the other families overridden to it), all at vocabulary 512 with the block size
+raised to hold the longest prompt and its new tokens. Time is the process's CPU time with one
+intra-op thread (on a shared machine wall-clock time mostly measures the other jobs); the
+minimum over rounds is kept."""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from bench.models import print_table
+from pretrain.models import build, resolve
+from pretrain.models.common import DecodeCache, sample_logits
+
+SMALL = {"n_embd": 128, "n_head": 4}
+SIZES = {
+    "tiny": [("gpt", "gpt-tiny", {}), ("gpt_rec", "gpt_rec-tiny", {}), ("nrgpt", "nrgpt-tiny", {}),
+             ("transformer_pp", "transformer_pp-tiny", {}), ("ebt", "ebt-tiny", {})],
+    "small": [("gpt", "gpt-small", {}), ("gpt_rec", "gpt_rec-tiny", {**SMALL, "n_steps": 6}),
+              ("nrgpt", "nrgpt-small", {}), ("transformer_pp", "transformer_pp-tiny", {**SMALL, "n_layer": 6}),
+              ("ebt", "ebt-tiny", {**SMALL, "n_layer": 6})],
+}
+TARGET = 5.0
+"""Cached / uncached tokens per second wanted at the 512-token prompt (all but EBT)."""
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    return sample_logits(logits, temperature=0)
+
+
+def uncached(model, prompt: torch.Tensor, new_tokens: int) -> tuple[float, torch.Tensor]:
+    """(CPU seconds, tokens) of generation recomputing the whole context for every token."""
+    idx = prompt
+    start = time.process_time()
+    for _ in range(new_tokens):
+        idx = torch.cat([idx, greedy(model.next_token_logits(idx))[:, None]], dim=1)
+    return time.process_time() - start, idx[:, prompt.size(1):]
+
+
+def cached(model, prompt: torch.Tensor, new_tokens: int) -> tuple[float, float, torch.Tensor]:
+    """(prefill CPU seconds, CPU seconds of the new tokens after it, tokens) with the cache."""
+    cache = DecodeCache()
+    start = time.process_time()
+    logits = model.next_token_logits(prompt, cache)
+    prefill = time.process_time() - start
+    chosen = []
+    start = time.process_time()
+    for i in range(new_tokens):
+        if i:
+            logits = model.next_token_logits(chosen[-1][:, None], cache)
+        chosen.append(greedy(logits))
+    return prefill, time.process_time() - start, torch.stack(chosen, dim=1)
+
+
+@torch.no_grad()
+def measure(args) -> list[tuple]:
+    rows = []
+    for size, contenders in SIZES.items():
+        for family, flavor, overrides in contenders:
+            if family not in args.families or size not in args.sizes:
+                continue
+            torch.manual_seed(0)
+            model = build(resolve(flavor, {**overrides, "block_size": args.block_size})).eval()
+            for prompt_len in args.prompts:
+                prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len),
+                                       generator=torch.Generator().manual_seed(prompt_len))
+                best_full = best_prefill = best_step = float("inf")
+                for _ in range(args.rounds):
+                    full_seconds, full_tokens = uncached(model, prompt, args.new_tokens)
+                    prefill, step_seconds, tokens = cached(model, prompt, args.new_tokens)
+                    if not torch.equal(tokens, full_tokens):
+                        raise SystemExit(f"{family} {size}: cached decoding chose other tokens than full recompute")
+                    best_full, best_prefill = min(best_full, full_seconds), min(best_prefill, prefill)
+                    best_step = min(best_step, step_seconds)
+                full_rate, cached_rate = args.new_tokens / best_full, args.new_tokens / best_step
+                ratio = cached_rate / full_rate
+                verdict = "" if family == "ebt" else ("ok" if ratio >= TARGET or prompt_len < 512 else "BELOW")
+                rows.append((f"{family} ({size})", prompt_len, f"{full_rate:.1f}", f"{cached_rate:.1f}",
+                             f"{ratio:.1f}x", f"{best_prefill * 1e3:.0f}", verdict))
+                print(*rows[-1], flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", type=int, nargs="+", default=[128, 512], help="prompt lengths")
+    parser.add_argument("--new-tokens", type=int, default=16, help="tokens generated per measurement")
+    parser.add_argument("--block-size", type=int, default=640, help="context length the models are built with")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--families", nargs="+", default=[f for f, _, _ in SIZES["tiny"]], help="families to run")
+    parser.add_argument("--sizes", nargs="+", choices=tuple(SIZES), default=list(SIZES))
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads")
+    args = parser.parse_args()
+    if max(args.prompts) + args.new_tokens > args.block_size:
+        parser.error("--block-size must hold the longest prompt and the new tokens")
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), batch 1, {args.new_tokens} new tokens, "
+          f"greedy, CPU time; target: cached >= {TARGET:.0f}x uncached at 512 (gpt, gpt_rec, nrgpt, transformer_pp)\n")
+    rows = measure(args)
+    print()
+    print_table(("family (size)", "prompt", "uncached tok/s", "cached tok/s", "cached / uncached",
+                 "prefill ms", "target"), rows)
+
+
+if __name__ == "__main__":
+    main()

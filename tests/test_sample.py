@@ -1,0 +1,257 @@
+"""Incremental decoding and the sampling command.
+
+The decoding cache must change nothing but speed: for every family (both NRGPT masks, both grad
+modes, both attention forms; EBT with and without step conditioning, with its fixed candidate
+noise) the logits of cached decoding equal those of a full forward over the whole sequence, and
+greedy decoding picks the same tokens. The command runs end to end on a tiny trained run."""
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import trainer_runs as runs
+from pretrain import export, sample
+from pretrain.models import build, resolve
+from pretrain.models.common import DecodeCache, decode, sample_logits
+
+CASES = {
+    "gpt": ("gpt-tiny", {}),
+    "gpt_rec": ("gpt_rec-tiny", {}),
+    "transformer_pp": ("transformer_pp-tiny", {}),
+    "nrgpt-inclusive-reference": ("nrgpt-tiny", {}),
+    "nrgpt-inclusive-exact": ("nrgpt-tiny", {"grad_mode": "exact"}),
+    "nrgpt-strict-reference": ("nrgpt-tiny", {"mask": "strict"}),
+    "nrgpt-strict-exact": ("nrgpt-tiny", {"mask": "strict", "grad_mode": "exact"}),
+    "nrgpt-lowrank-inclusive-exact": ("nrgpt-tiny", {"attention": "lowrank", "grad_mode": "exact",
+                                                     "eta": "diag_gamma", "learnable_gamma": True}),
+    "nrgpt-lowrank-strict": ("nrgpt-tiny", {"attention": "lowrank", "mask": "strict", "eta_per_step": True}),
+    "ebt": ("ebt-tiny", {}),
+    "ebt-step-conditioned": ("ebt-s2-tiny", {"replay_buffer_size": 0}),
+}
+
+
+def build_case(name: str, dtype=torch.float64, **extra):
+    flavor, overrides = CASES[name]
+    torch.manual_seed(0)
+    return build(resolve(flavor, {**overrides, **extra})).to(dtype).eval()
+
+
+def tokens(model, batch=2, length=20, seed=3):
+    return torch.randint(0, model.config.vocab_size, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_cached_logits_equal_full_recompute(name):
+    """The next-token logits after each chunk fed to one cache (a 6-token prompt, single
+    tokens, then 4 at once) equal those of the whole prefix without a cache (for EBT a descent
+    of its own from the same fixed noise)."""
+    model = build_case(name)
+    idx = tokens(model)
+    cache, end = DecodeCache(), 0
+    with torch.no_grad():
+        for size in [6] + [1] * 10 + [4]:
+            cached = model.next_token_logits(idx[:, end:end + size], cache)
+            end += size
+            reference = model.next_token_logits(idx[:, :end])
+            assert torch.allclose(cached, reference, atol=1e-10, rtol=0), (end, (cached - reference).abs().max())
+    assert cache.length == idx.size(1)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_cached_chunk_gives_every_position(name):
+    """A cached chunk's logits at every position (not only the last) equal the full forward's;
+    for float32 models within float32 rounding."""
+    model = build_case(name, dtype=torch.float32)
+    if hasattr(model, "think"):
+        pytest.skip("EBT predicts one new position per call")
+    idx = tokens(model, length=16)
+    with torch.no_grad():
+        full = model(idx).logits
+        cache = DecodeCache()
+        parts = [model(idx[:, a:b], cache=cache).logits for a, b in ((0, 1), (1, 9), (9, 10), (10, 16))]
+    assert torch.allclose(torch.cat(parts, dim=1), full, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_greedy_generation_picks_the_full_recompute_tokens(name):
+    """generate() (the cached loop) against argmax over full recomputes, also across the
+    context length (block_size 12: the window then slides)."""
+    model = build_case(name, block_size=12)
+    prompt = tokens(model, length=4)
+    with torch.no_grad():
+        generated = model.generate(prompt, 14, temperature=0)
+        expected = prompt
+        for _ in range(14):
+            next_token = model.next_token_logits(expected[:, -12:]).argmax(-1, keepdim=True)
+            expected = torch.cat([expected, next_token], dim=1)
+    assert torch.equal(generated, expected)
+
+
+def test_window_slides_once_noted_and_rows_of_other_lengths_decode_as_alone():
+    model = build_case("nrgpt-strict-exact", block_size=10)
+    idx = tokens(model, batch=3, length=9)
+    lengths = [3, 7, 5]
+    slides = []
+    with torch.no_grad():
+        batch = torch.stack(list(decode(model, idx, 8, sample_logits_greedy, lengths, lambda: slides.append(1))), 1)
+        for row, length in enumerate(lengths):
+            alone = torch.stack(list(decode(model, idx[row:row + 1, :length], 8, sample_logits_greedy)), 1)[0]
+            assert torch.equal(batch[row, length - 3:length - 3 + 8], alone)
+            assert torch.equal(batch[row, :length - 3], idx[row, 3:length])  # its prompt, untouched
+    assert slides == [1]  # 7 + 8 tokens pass the context of 10: said once
+
+
+def sample_logits_greedy(logits):
+    return sample_logits(logits, temperature=0)
+
+
+def test_ebt_think_options_reach_the_cached_descent():
+    model = build_case("ebt")
+    idx = tokens(model, length=8)
+    with torch.no_grad():
+        cached = model.next_token_logits(idx, DecodeCache(), steps=4, best_of=3)
+        direct = model.think(idx, steps=4, best_of=3, last_only=True).logits[:, -1]
+        default = model.next_token_logits(idx, DecodeCache())
+    assert torch.allclose(cached, direct, atol=1e-10, rtol=0)
+    assert not torch.allclose(cached, default)
+
+
+def test_sample_logits_top_k_top_p_and_greedy():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(4000, 1)
+    torch.manual_seed(0)
+    nucleus = sample_logits(logits, top_p=0.7)  # 0.5 + 0.3 reach 0.7: the rest never
+    assert set(nucleus.tolist()) == {0, 1}
+    assert abs((nucleus == 0).float().mean().item() - 0.5 / 0.8) < 0.03
+    assert set(sample_logits(logits, top_k=3).tolist()) == {0, 1, 2}
+    assert set(sample_logits(logits, top_p=0.4).tolist()) == {0}  # the first token is always kept
+    assert set(sample_logits(logits, top_p=1.0).tolist()) == {0, 1, 2, 3}
+    assert torch.equal(sample_logits(torch.tensor([[0.1, 2.0, -1.0]]), temperature=0), torch.tensor([1]))
+
+
+def test_stream_printer_writes_as_tokens_arrive_and_holds_half_characters():
+    from data_pipeline.tokenizer import GPT2Tokenizer
+
+    tokenizer = GPT2Tokenizer()
+    prompt, continuation = "The actor", " wears a mask \U0001F3AD here"
+    new_ids = [int(i) for i in tokenizer.encode(continuation)]
+    # the emoji's four UTF-8 bytes come as three byte-level tokens
+    split = [i for i in new_ids if "\ufffd" in tokenizer.decode([i])]
+    assert len(split) == 3
+    out = io.StringIO()
+    rows = [sample.Row("one", [int(i) for i in tokenizer.encode(prompt)], prompt)]
+    printer = sample.StreamPrinter(rows, tokenizer, len(new_ids), out)
+    seen = []
+    for token in new_ids:
+        rows[0].new_ids.append(token)
+        printer.update()
+        seen.append(out.getvalue())
+    assert all("\ufffd" not in text for text in seen)
+    assert len(set(seen)) >= len(new_ids) - len(split)  # text grew with (nearly) every token
+    assert out.getvalue() == prompt + continuation + "\n"
+
+
+# --- the command, end to end ------------------------------------------------------------------
+
+def command(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pretrain.sample", *args], cwd=runs.REPO, env=runs.child_env(),
+                          capture_output=True, text=True, timeout=120)
+
+
+def train_tiny(flavor: str, steps: int) -> Path:
+    """A tiny character-level run trained for `steps` steps in one process (block size 32)."""
+    name = f"sample-{flavor}"
+    result = subprocess.run(runs.train_command([f"run_name={name}", f"model.flavor={flavor}", "zero.stage=0",
+                                                f"train.max_steps={steps}", f"checkpoint.interval={steps}",
+                                                "eval.sample_tokens=0"], nproc=1),
+                            env=runs.child_env(), cwd=runs.REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return runs.run_dir(name)
+
+
+@pytest.fixture(scope="module")
+def trained_run():
+    return train_tiny("gpt-tiny", 4)
+
+
+def greedy_text(source, prompt: str, new_tokens: int, **logit_options) -> str:
+    """The prompt and its greedy continuation by full recompute, over the tokenizer's ids."""
+    from pretrain.trained import load_trained
+
+    trained = load_trained(source)
+    tokenizer, model = trained.tokenizer, trained.model
+    idx = torch.tensor([[int(i) for i in tokenizer.encode(prompt)]])
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            logits = model.next_token_logits(idx, **logit_options)
+            logits[:, tokenizer.vocab_size:] = float("-inf")  # the padded ids decode to nothing
+            idx = torch.cat([idx, logits.argmax(-1, keepdim=True)], dim=1)
+    return tokenizer.decode(idx[0].tolist())
+
+
+def test_command_greedy_output_is_the_models_greedy_text(trained_run, tmp_path):
+    result = command(str(trained_run), "--prompt", "ROMEO:", "--max-new-tokens", "12", "--temperature", "0")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == greedy_text(trained_run, "ROMEO:", 12) + "\n"
+    # an exported file samples the same text
+    exported = tmp_path / "model.safetensors"
+    export.export(trained_run, exported)
+    again = command(str(exported), "--prompt", "ROMEO:", "--max-new-tokens", "12", "--temperature", "0")
+    assert again.returncode == 0 and again.stdout == result.stdout
+
+
+def test_command_batch_is_deterministic_for_a_seed_and_slides_past_the_context(trained_run, tmp_path):
+    prompt_file = tmp_path / "prompt.txt"
+    prompt_file.write_text("JULIET:\nO ")
+    args = [str(trained_run), "--prompt", "ROMEO:", "--prompt-file", str(prompt_file), "--num-samples", "2",
+            "--max-new-tokens", "40", "--temperature", "1.0", "--top-p", "0.9", "--top-k", "20"]
+    first, second, other = command(*args, "--seed", "1"), command(*args, "--seed", "1"), command(*args, "--seed", "2")
+    assert first.returncode == 0, first.stderr
+    assert first.stdout == second.stdout != other.stdout
+    blocks = first.stdout.split("--- prompt ")[1:]
+    assert [b.split(" ---\n")[0] for b in blocks] == ["1, sample 1", "1, sample 2", "2, sample 1", "2, sample 2"]
+    texts = [b.split(" ---\n", 1)[1] for b in blocks]
+    assert texts[0].startswith("ROMEO:") and texts[2].startswith("JULIET:\nO ")
+    assert texts[0] != texts[1]  # two samples of one prompt differ
+    # 6 + 40 characters pass the block size of 32: one note, printed once
+    assert first.stderr.count("note: the text passed the model's context of 32 tokens") == 1
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prompt", "x" * 32], "prompt 1 is 32 tokens and the model's context is 32: no room to generate"),
+    (["--prompt", "a", "--top-p", "0"], "--top-p must be in (0, 1]"),
+    (["--prompt", "a", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
+    (["--prompt", "a", "--temperature", "-0.5"], "--temperature must be >= 0"),
+    (["--prompt", "a", "--think-steps", "3"], "--think-steps and --best-of apply to EBT models only"),
+    (["--prompt", "a", "--best-of", "2"], "is a gpt model"),
+    (["--prompt", "\u4e2d"], "prompt 1: character '\u4e2d' is not in the char vocabulary"),
+    ([], "give a prompt"),
+])
+def test_bad_input_is_one_line_and_prints_nothing(trained_run, args, message, capsys):
+    assert sample.main([str(trained_run), *args]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("error: ") and captured.err.count("\n") == 1 and message in captured.err
+
+
+def test_command_thinks_with_the_ebt_options():
+    run = train_tiny("ebt-tiny", 1)
+    result = command(str(run), "--prompt", "ROMEO:", "--max-new-tokens", "6", "--temperature", "0",
+                     "--think-steps", "3", "--best-of", "2")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == greedy_text(run, "ROMEO:", 6, steps=3, best_of=2) + "\n"
+
+
+def test_run_without_complete_checkpoint_is_refused(trained_run, tmp_path):
+    incomplete = tmp_path / "run"
+    (incomplete / "ckpt" / "step_00000004").mkdir(parents=True)  # a checkpoint cut off before its marker
+    result = command(str(incomplete), "--prompt", "ROMEO:")
+    assert result.returncode == 2 and result.stdout == ""
+    # the checkpoint lookup warns about what it skipped; the error is one line, the last
+    lines = result.stderr.splitlines()
+    assert [line for line in lines if line.startswith("error: ")] == lines[-1:]
+    assert "no complete checkpoint" in lines[-1]
