@@ -37,6 +37,7 @@ import yaml
 from pretrain import checkpoint
 from pretrain.config import (ConfigError, RunConfig, get_key, gradient_accumulation_steps,
                              load_config, model_config, resolved_precision, to_dict, validate)
+from pretrain.downstream.in_training import evaluate_in_training
 from pretrain.engine import configure_device_math, deepspeed_config, distributed_env, initialize
 from pretrain.evaluate import EvalResult, decode_padded, evaluate
 from pretrain.fileio import atomic_write_text
@@ -99,6 +100,8 @@ class Trainer:
         self.run_dir = cfg.run_dir
         self.ckpt_dir = self.run_dir / "ckpt"
         self.state = TrainState()
+        self.downstream: dict[str, float] = {}
+        """The latest downstream scalars (eval.downstream), for summary.json."""
         self.resume_notes: list[str] = []
         self.batches = None
         self.faults_fired: set[int] = set()
@@ -496,6 +499,8 @@ class Trainer:
         self.metrics.print(line)
         if result.sample is not None:
             self.metrics.text(state.step, "eval/sample", result.sample)
+        self.downstream.update(evaluate_in_training(self.engine.module, self.cfg.eval.downstream, self.manifest,
+                                                    state.step, state.step >= self.total_steps, self.metrics.scalars))
         return result
 
     def write_summary(self) -> None:
@@ -516,7 +521,7 @@ class Trainer:
                    "seq_len": cfg.data.seq_len, "skipped_steps": state.skipped_steps,
                    "reloads": state.reloads, "think_losses": state.think_losses,
                    "tokens_per_s": self.session_tokens / max(self.session_train_s, 1e-9),
-                   "model_config": asdict(self.model_config)},
+                   "model_config": asdict(self.model_config), "downstream": self.downstream},
         ).save(self.run_dir)
 
 

