@@ -133,6 +133,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=_positive_int, default=8, help="sequences per forward pass")
     parser.add_argument("--device", help="cpu, cuda or cuda:N (default: this rank's GPU if there is one)")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="weights and activations")
+    parser.add_argument("--reference", help="owt_generation: the model (run, checkpoint or export) whose "
+                        "perplexity of the continuations is reported")
     parser.add_argument("--out", help="results JSON (default: RUN_DIR/downstream/<tag>.json, or next to an export)")
     return parser.parse_args(argv)
 
@@ -154,14 +156,27 @@ def _run_dir(checkpoint_or_file: Path) -> Path | None:
     return None
 
 
+def _load_text_model(source: Path, device, dtype: str):
+    from pretrain.downstream.adapter import TEXT_TOKENIZERS
+    from pretrain.trained import LoadError, load_trained
+
+    trained = load_trained(source, device=device, dtype=dtype)
+    kind = (trained.manifest or {}).get("tokenizer")
+    if kind not in TEXT_TOKENIZERS:
+        raise LoadError(f"{source}: its tokenizer ({kind or 'unknown: no data manifest'}) cannot "
+                        "serve text tasks; they need a GPT-2 BPE model")
+    return trained
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
+    from data_pipeline.sources import DataError
     from pretrain import checkpoint
-    from pretrain.downstream import harness
-    from pretrain.downstream.adapter import TEXT_TOKENIZERS, HarnessModel
+    from pretrain.downstream import generation, harness
+    from pretrain.downstream.adapter import HarnessModel
     from pretrain.downstream.data import DataMissing, data_root
     from pretrain.fileio import atomic_write_text
-    from pretrain.trained import LoadError, load_trained
+    from pretrain.trained import LoadError
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
@@ -178,22 +193,35 @@ def main(argv: list[str] | None = None) -> int:
             if device.type == "cuda":
                 torch.cuda.set_device(device)
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        trained = load_trained(source, device=device, dtype=args.dtype)
-        kind = (trained.manifest or {}).get("tokenizer")
-        if kind not in TEXT_TOKENIZERS:
-            raise LoadError(f"{args.source}: its tokenizer ({kind or 'unknown: no data manifest'}) cannot "
-                            "serve text tasks; they need a GPT-2 BPE model")
+        trained = _load_text_model(source, device, args.dtype)
         if (args.think_steps or args.best_of != 1) and not hasattr(trained.model, "think"):
             raise LoadError(f"--think-steps/--best-of: a {trained.family} model does not think (EBT only)")
-    except (harness.TaskError, DataMissing, LoadError) as e:
+        prompts = reference = None
+        if harness.wants_generation(names):
+            data_path = trained.run_config.get("data", {}).get("path")
+            if not data_path or not (Path(data_path) / "manifest.json").is_file():
+                raise LoadError(f"{generation.TASK}: the run's validation data ({data_path}) is not there "
+                                "to take prompts from")
+            prompts = generation.validation_prompts(data_path, args.limit or 64)
+            if args.reference:
+                reference = HarnessModel(_load_text_model(Path(args.reference), device, args.dtype).model,
+                                         trained.tokenizer, batch_size=args.batch_size, split_over_ranks=False)
+    except (harness.TaskError, DataMissing, LoadError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    rows = []
+    rows, continuations = [], []
     for steps in args.think_steps or [None]:
         model = HarnessModel(trained.model, trained.tokenizer, batch_size=args.batch_size,
                              think_steps=steps, best_of=args.best_of)
         rows += harness.run(model, names, args.limit) or []
+        if prompts is not None:
+            generated = generation.generation_quality(model, prompts, reference)
+            if generated is not None:
+                for row in generated[0]:
+                    row.think_steps, row.best_of = steps, args.best_of
+                rows += generated[0]
+                continuations.append({"think_steps": steps, "continuations": generated[1]})
     if world_size > 1 and dist.get_rank() != 0:
         return 0
     run_dir = _run_dir(trained.source)
@@ -202,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     report = {"source": str(trained.source), "flavor": trained.flavor, "family": trained.family,
               "step": trained.step, "tasks": names, "limit": args.limit, "dtype": args.dtype,
               "world_size": world_size, "rows": harness.rows_as_dicts(rows)}
+    if continuations:
+        report.update(reference=args.reference, generations=continuations)
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out, json.dumps(report, indent=2) + "\n")
     if run_dir is not None:

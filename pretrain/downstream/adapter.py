@@ -7,6 +7,9 @@ its inference descent (`think`), `think_steps` steps from `best_of` noise sample
 noise depends on the position only, so a request scores the same in any batch, on any rank."""
 from __future__ import annotations
 
+import zlib
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -19,6 +22,12 @@ from pretrain.evaluate import decode_padded
 TEXT_TOKENIZERS = ("gpt2",)
 """Tokenizers that can encode arbitrary English text (the char and ListOps vocabularies cannot)."""
 DEFAULT_MAX_GEN_TOKS = 256
+
+
+class Request(NamedTuple):
+    """A request as lm-eval hands it to a model (the adapter reads `args` only)."""
+
+    args: tuple
 
 
 class HarnessModel(LM):
@@ -150,29 +159,32 @@ class HarnessModel(LM):
     def generate_until(self, requests) -> list[str]:
         """Greedy (or, with do_sample and a temperature, sampled) continuations, batched: each
         step runs the rows' last block_size tokens, right-padded, and appends to each row the
-        token predicted at its own end; a row stops at a stop string or max_gen_toks."""
+        token predicted at its own end; a row stops at a stop string, the end-of-document token
+        or max_gen_toks. Sampling draws from a generator seeded by the row's prompt, so a
+        continuation does not depend on its batch or rank."""
         outputs = [""] * len(requests)
         order = sorted(range(len(requests)), key=lambda i: -len(requests[i].args[0]))
-        generator = torch.Generator(device=self.device).manual_seed(0)
         was_training = self.model.training
         self.model.eval()
         try:
             for start in tqdm(range(0, len(order), self.batch_size), desc="generate_until", leave=False,
                               disable=not self.progress or self.rank != 0):
                 batch = order[start:start + self.batch_size]
-                for i, text in zip(batch, self._generate([requests[i].args for i in batch], generator)):
+                for i, text in zip(batch, self._generate([requests[i].args for i in batch])):
                     outputs[i] = text
         finally:
             self.model.train(was_training)
         return outputs
 
-    def _generate(self, args: list[tuple[str, dict]], generator: torch.Generator) -> list[str]:
+    def _generate(self, args: list[tuple[str, dict]]) -> list[str]:
         kwargs = dict(args[0][1])  # lm-eval batches a task's requests, which share their settings
         until = kwargs.get("until") or []
         until = [until] if isinstance(until, str) else list(until)
         max_new = int(kwargs.get("max_gen_toks", DEFAULT_MAX_GEN_TOKS))
         temperature = float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample") else 0.0
         rows = [self.encode(context) or [self.tokenizer.eot_id] for context, _ in args]
+        generators = [torch.Generator(device=self.device).manual_seed(zlib.crc32(context.encode()))
+                      for context, _ in args]
         prompt_lengths = [len(r) for r in rows]
         done = [False] * len(rows)
         texts = [""] * len(rows)
@@ -189,7 +201,8 @@ class HarnessModel(LM):
             self.tokens_scored += idx.numel()
             last = logits[torch.arange(len(live)), torch.tensor([len(w) - 1 for w in windows])].float()
             if temperature > 0:
-                tokens = torch.multinomial((last / temperature).softmax(-1), 1, generator=generator)[:, 0]
+                probs = (last / temperature).softmax(-1)
+                tokens = [torch.multinomial(probs[r], 1, generator=generators[n]) for r, n in enumerate(live)]
             else:
                 tokens = last.argmax(-1)
             for r, n in enumerate(live):

@@ -33,6 +33,9 @@ NRGPT_SUBSET = ("mmlu_high_school_computer_science", "mmlu_astronomy")
 NRGPT_SUBSET_NAME = "mmlu_nrgpt_subset"
 NRGPT_SUBSET_NOTE = ("NRGPT authors' subset, 252 questions: its standard error is ~2.8 points "
                      "at 25-30% accuracy")
+GENERATION_TASK = "owt_generation"
+"""Generation quality on the run's validation prompts (pretrain.downstream.generation), part of
+`nrgpt_paper`; not an lm-eval task, so the command runs it (training does not)."""
 HUB_OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
 
 
@@ -103,13 +106,20 @@ def _read_catalogue(load) -> Catalogue:
     members = {group: expand(group)[1:] for group in direct}
     specs[NRGPT_SUBSET_NAME] = NRGPT_SUBSET_NAME
     members[NRGPT_SUBSET_NAME] = list(NRGPT_SUBSET)
+    specs[GENERATION_TASK] = GENERATION_TASK
+    members["nrgpt_paper"].append(GENERATION_TASK)
     return Catalogue(specs, members)
 
 
 @functools.cache
+def _plain_catalogue() -> Catalogue:
+    """The catalogue read without importing lm-eval (for checking names)."""
+    return _read_catalogue(lambda p: yaml.load(p.read_text(), Loader=_PlainLoader))
+
+
 def known_tasks() -> list[str]:
-    """Every name `resolve` accepts (read without importing lm-eval)."""
-    return sorted(_read_catalogue(lambda p: yaml.load(p.read_text(), Loader=_PlainLoader)).specs)
+    """Every name `parse_tasks` accepts."""
+    return sorted(_plain_catalogue().specs)
 
 
 @functools.cache
@@ -139,6 +149,11 @@ def parse_tasks(text: str) -> list[str]:
     return names
 
 
+def wants_generation(names: list[str]) -> bool:
+    members = _plain_catalogue().members
+    return any(n == GENERATION_TASK or GENERATION_TASK in members.get(n, []) for n in names)
+
+
 def lm_eval_specs(names: list[str]) -> list[Any]:
     """What lm-eval loads for `names`: groups by name, and the single tasks (inside a group
     named `tasks`, the form in which lm-eval applies a member's overrides), each task once."""
@@ -149,7 +164,7 @@ def lm_eval_specs(names: list[str]) -> list[Any]:
     singles: list[str] = []
     for name in names:
         for leaf in catalogue.members.get(name, [name]) if name == NRGPT_SUBSET_NAME else [name]:
-            if leaf not in covered and leaf not in groups and leaf not in singles:
+            if leaf not in covered and leaf not in groups and leaf not in singles and leaf != GENERATION_TASK:
                 singles.append(leaf)
     specs: list[Any] = list(groups)
     if singles:
@@ -200,8 +215,11 @@ def run(adapter, names: list[str], limit: int | None, bootstrap_iters: int = 100
     each (all when None). Returns the rows on rank 0 (None on the other ranks)."""
     from lm_eval.evaluator import simple_evaluate
 
+    specs = lm_eval_specs(names)
+    if not specs:
+        return [] if adapter.rank == 0 else None
     with _isolated():
-        results = simple_evaluate(model=adapter, tasks=lm_eval_specs(names), limit=limit,
+        results = simple_evaluate(model=adapter, tasks=specs, limit=limit,
                                   task_manager=task_manager(), log_samples=True,
                                   bootstrap_iters=bootstrap_iters, verbosity="ERROR")
     if results is None:
