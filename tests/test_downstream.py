@@ -197,6 +197,32 @@ def test_generation_quality_is_scored_by_the_reference_model(trained_run, tmp_pa
     assert rows["reference_ppl"] == pytest.approx(math.exp(-logprob / tokens), rel=1e-4)
 
 
+def gpt2_export(tmp_path: Path, flavor: str) -> Path:
+    """An export (the file pretrain.export writes) of an initialised `flavor` at GPT-2's vocabulary."""
+    dataset = tmp_path / "data"
+    dataset.mkdir()
+    (dataset / "manifest.json").write_text(json.dumps({"tokenizer": "gpt2", "vocab_size": 50257}))
+    model = tiny_model(flavor)
+    file = tmp_path / f"{flavor}.safetensors"
+    save_file({k: v.clone() for k, v in model.state_dict().items()}, str(file), metadata={
+        "flavor": flavor, "model_config": json.dumps(asdict(model.config)), "step": "0",
+        "run_config": json.dumps({"data": {"path": str(dataset)}})})
+    return file
+
+
+def test_ebt_thinks_at_each_step_count_of_the_command(tmp_path, capsys):
+    file = gpt2_export(tmp_path, "ebt-tiny")
+    out = tmp_path / "thinking.json"
+    assert evaluate.main([str(file), "--tasks", "arc_easy", "--limit", "1", "--think-steps", "1,3",
+                          "--best-of", "2", "--out", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "| think steps | best of |" in table and "| arc_easy | bpb | 3 | 2 |" in table
+    rows = {(r["think_steps"], r["metric"]): r for r in json.loads(out.read_text())["rows"]}
+    assert {steps for steps, _ in rows} == {1, 3} and all(r["best_of"] == 2 for r in rows.values())
+    assert rows[1, "bpb"]["value"] != rows[3, "bpb"]["value"]  # the descent runs the steps asked for
+    assert harness.scalar_tag(harness.Row(**rows[3, "bpb"])) == "downstream/arc_easy/bpb_think3_best2"
+
+
 def test_core_suite_runs_offline(trained_run, tmp_path):
     out = tmp_path / "core.json"
     # two documents per task: a standard error needs two
@@ -247,16 +273,10 @@ def test_thinking_options_for_a_model_that_does_not_think_are_refused(trained_ru
 
 def test_a_character_level_model_is_refused(tmp_path, capsys):
     """An export of a model trained on character-level data: its vocabulary cannot encode the tasks."""
-    dataset = tmp_path / "chars"
-    dataset.mkdir()
-    (dataset / "manifest.json").write_text(json.dumps({"tokenizer": "char", "chars": list("abc "), "vocab_size": 5}))
-    config = resolve("gpt-tiny", {"vocab_size": 64})
-    file = tmp_path / "char.safetensors"
-    save_file({k: v.clone() for k, v in build(config).state_dict().items()}, str(file), metadata={
-        "flavor": "gpt-tiny", "model_config": json.dumps(asdict(config)), "step": "1",
-        "run_config": json.dumps({"data": {"path": str(dataset)}})})
+    file = gpt2_export(tmp_path, "gpt-tiny")
+    (tmp_path / "data" / "manifest.json").write_text(json.dumps({"tokenizer": "char", "chars": list("abc ")}))
     assert_refused(capsys, [file, "--tasks", "core"], "tokenizer (char) cannot serve text tasks")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["char.safetensors", "chars"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "gpt-tiny.safetensors"]
 
 
 def test_missing_evaluation_data_says_how_to_install_it(monkeypatch, tmp_path, capsys):
