@@ -136,14 +136,25 @@ def values(report_file: Path) -> dict[str, dict]:
     return {harness.scalar_tag(harness.Row(**r)): r for r in json.loads(report_file.read_text())["rows"]}
 
 
-def test_in_loop_values_equal_the_command_at_the_same_checkpoint(trained_run, tmp_path):
-    out = tmp_path / "one.json"
-    result = run_evaluate([trained_run, "--tasks", TASKS, "--limit", LIMIT, "--batch-size", 3, "--out", out])
+STANDALONE = ["--tasks", TASKS + ",owt_generation", "--limit", LIMIT, "--batch-size", 3]
+
+
+@pytest.fixture(scope="module")
+def one_process(trained_run, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    """The command on the trained run's last checkpoint: the in-loop tasks plus generation
+    quality with the run itself as the reference."""
+    out = tmp_path_factory.mktemp("standalone") / "one.json"
+    result = run_evaluate([trained_run, *STANDALONE, "--reference", trained_run, "--out", out])
     assert result.returncode == 0, result.stderr[-3000:]
+    return result, out
+
+
+def test_in_loop_values_equal_the_command_at_the_same_checkpoint(trained_run, one_process):
+    result, out = one_process
     assert "| arc_easy | acc |" in result.stdout and "| lambada_openai | perplexity |" in result.stdout
     standalone = values(out)
     in_loop = json.loads((trained_run / "summary.json").read_text())["downstream"]
-    assert set(in_loop) == {tag for tag in standalone if not tag.startswith("downstream/tasks/")}
+    assert set(in_loop) == {tag for tag in standalone if "/owt_generation/" not in tag}
     for tag, value in in_loop.items():
         assert value == pytest.approx(standalone[tag]["value"], rel=1e-5), tag
         assert standalone[tag]["docs"] == LIMIT
@@ -153,30 +164,24 @@ def test_in_loop_values_equal_the_command_at_the_same_checkpoint(trained_run, tm
     assert logged == [(2, pytest.approx(in_loop["downstream/lambada_openai/bpb"], rel=1e-5))] * 2  # loop, command
 
 
-def test_two_ranks_give_the_numbers_of_one(trained_run, tmp_path):
-    one, two = tmp_path / "one.json", tmp_path / "two.json"
-    tasks = TASKS + ",owt_generation"  # lm-eval's split of the documents, and ours of the prompts
-    assert run_evaluate([trained_run, "--tasks", tasks, "--limit", LIMIT, "--out", one]).returncode == 0
-    result = run_evaluate([trained_run, "--tasks", tasks, "--limit", LIMIT, "--out", two], nproc=2)
+def test_two_ranks_give_the_numbers_of_one(trained_run, one_process, tmp_path):
+    """lm-eval's split of the documents over the ranks, and ours of the generation prompts."""
+    two = tmp_path / "two.json"
+    result = run_evaluate([trained_run, *STANDALONE, "--reference", trained_run, "--out", two], nproc=2)
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(two.read_text())["world_size"] == 2
-    single, split = values(one), values(two)
-    assert single.keys() == split.keys()
+    single, split = values(one_process[1]), values(two)
+    assert single.keys() == split.keys() and "downstream/owt_generation/reference_ppl" in single
     for tag, row in single.items():
         assert split[tag]["value"] == pytest.approx(row["value"], rel=1e-5), tag
         assert split[tag]["docs"] == row["docs"]
         if row["metric"] != "perplexity":  # lm-eval bootstraps that one over the gathered order
             assert split[tag]["stderr"] == pytest.approx(row["stderr"], rel=1e-5), tag
-    assert "downstream/owt_generation/distinct_2" in single
 
 
-def test_generation_quality_is_scored_by_the_reference_model(trained_run, tmp_path):
-    out = tmp_path / "generation.json"
-    result = run_evaluate([trained_run, "--tasks", "owt_generation", "--limit", LIMIT, "--reference", trained_run,
-                           "--out", out])
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(out.read_text())
-    rows = {r["metric"]: r["value"] for r in report["rows"]}
+def test_generation_quality_is_scored_by_the_reference_model(trained_run, one_process):
+    report = json.loads(one_process[1].read_text())
+    rows = {r["metric"]: r["value"] for r in report["rows"] if r["task"] == "owt_generation"}
     (generated,) = report["generations"]
     continuations = generated["continuations"]
     assert len(continuations) == LIMIT and all(c["text"] for c in continuations)
@@ -191,9 +196,9 @@ def test_generation_quality_is_scored_by_the_reference_model(trained_run, tmp_pa
         context_ids, continuation_ids = lm.continuation_tokens(c["prompt"], c["text"])
         ids = (context_ids + continuation_ids)[-(reference.model.config.block_size + 1):]
         scored = min(len(continuation_ids), len(ids) - 1)
-        rows_ = reference_logprobs(reference.model, ids, None)[-scored:]
-        logprob += rows_.gather(-1, torch.tensor(ids[-scored:])[:, None]).sum().item()
-        tokens += len(continuation_ids)
+        logprobs = reference_logprobs(reference.model, ids, None)[-scored:]
+        logprob += logprobs.gather(-1, torch.tensor(ids[-scored:])[:, None]).sum().item()
+        tokens += scored
     assert rows["reference_ppl"] == pytest.approx(math.exp(-logprob / tokens), rel=1e-4)
 
 

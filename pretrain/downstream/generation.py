@@ -58,7 +58,9 @@ def generation_quality(model: HarnessModel, prompts: list[list[int]], reference:
         if reference is not None:
             context_ids, continuation_ids = reference.continuation_tokens(prompt, text)
             (logprob, _), = reference.score([(context_ids, continuation_ids)], desc="reference")
-            record.update(reference_logprob=logprob, reference_tokens=len(continuation_ids))
+            # tokens scored: a continuation longer than the reference's block keeps its last ones
+            record.update(reference_logprob=logprob,
+                          reference_tokens=min(len(continuation_ids), reference.block_size))
         scored.append(record)
     if model.world_size > 1:
         parts = model.gather_object(scored)
