@@ -191,6 +191,21 @@ class CheckpointSection:
 
 
 @dataclass
+class DownstreamSection:
+    """lm-evaluation-harness tasks evaluated during training (pretrain.downstream)."""
+
+    tasks: list[str] = field(default_factory=list)
+    """Suites or task names (as `python -m pretrain.evaluate --tasks`); empty: off."""
+    limit: int = 20
+    """Documents per task: the first `limit`, the same subset at every evaluation."""
+    interval: int = 0
+    """Optimizer steps between downstream evaluations (checked at each evaluation, so a
+    multiple of eval.interval); 0: only at the end of the run."""
+    batch_size: int = 8
+    """Sequences per forward pass."""
+
+
+@dataclass
 class EvalSection:
     interval: int = 1000
     """Optimizer steps between evaluations; 0 evaluates only at the end."""
@@ -202,6 +217,8 @@ class EvalSection:
     """Length of the generated text sample logged at each evaluation; 0 disables it."""
     sample_temperature: float = 0.8
     """Sampling temperature of the text sample."""
+    downstream: DownstreamSection = field(default_factory=DownstreamSection)
+    """Downstream tasks evaluated on every rank; values to TensorBoard and summary.json."""
 
 
 @dataclass
@@ -404,6 +421,20 @@ def validate(cfg: RunConfig, world_size: int, has_gpu: bool) -> None:
             "model.init_from", "must be a Hugging Face model directory (one holding config.json)")
     require(cfg.model.activation_checkpointing in (None, "off", "step", "block"),
             "model.activation_checkpointing", "must be 'off', 'step' or 'block'")
+    for key in ("eval.downstream.limit", "eval.downstream.batch_size"):
+        require(get_key(cfg, key) >= 1, key, "must be >= 1")
+    require(cfg.eval.downstream.interval >= 0, "eval.downstream.interval", "must be >= 0")
+    if cfg.eval.downstream.tasks:
+        from pretrain.downstream.harness import TaskError, check_tasks
+
+        try:
+            check_tasks(cfg.eval.downstream.tasks)
+        except TaskError as e:
+            raise ConfigError(f"eval.downstream.tasks: {e}") from None
+        manifest = Path(cfg.data.path) / "manifest.json"
+        tokenizer = yaml.safe_load(manifest.read_text())["tokenizer"] if manifest.is_file() else "gpt2"
+        require(tokenizer == "gpt2", "eval.downstream.tasks",
+                f"text tasks need a GPT-2 BPE dataset; {cfg.data.path} is tokenized {tokenizer!r}")
     require(0 <= cfg.fault.nan_loss_rank < world_size, "fault.nan_loss_rank",
             f"must be a rank of this run (0..{world_size - 1})")
 

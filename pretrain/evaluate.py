@@ -1,14 +1,28 @@
 """Evaluation during training: val loss and perplexity, bits per byte, EBT's thinking curve (val
-loss after 1..N inference steps), and a short generated text sample.
+loss after 1..N inference steps), and a short generated text sample. As a command, downstream
+evaluation of a trained model on lm-evaluation-harness (pretrain.downstream), offline:
+a trained model on lm-evaluation-harness (pretrain.downstream), offline:
+
+    python -m pretrain.evaluate RUN_DIR [--checkpoint TAG] --tasks core|nrgpt_paper|ebt_paper|NAME,...
+        [--limit N] [--think-steps 1,2,4] [--best-of K] [--batch-size B] [--out FILE]
+
+prints a Markdown table, writes the results JSON (default RUN_DIR/downstream/<tag>.json) and the
+scalars `downstream/<task>/<metric>` into the run's TensorBoard at the checkpoint's step. Under
+torchrun the documents are split over the ranks; the numbers equal a one-process run's.
 
 Every rank runs the same calls (under ZeRO-3 a forward pass gathers parameters collectively),
 and evaluation draws its random numbers from a fixed seed inside a forked RNG, so it neither
 changes the training run's random streams nor depends on when it happens."""
 from __future__ import annotations
 
+import argparse
+import json
 import math
+import os
+import sys
 from dataclasses import dataclass
 from itertools import cycle, islice
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -121,3 +135,156 @@ def evaluate(engine, val_loader, settings: EvalSection, device: torch.device, se
         return EvalResult(loss=means[0], think_losses=None, sample=sample, bpb=bpb)
     return EvalResult(loss=means[0], think_losses=means[2:], sample=sample, loss_mean_steps=means[1],
                       langevin_noise_std=model.eval_noise_std(), bpb=bpb)
+
+
+# --- the downstream command ------------------------------------------------------------------
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _step_list(text: str) -> list[int]:
+    try:
+        steps = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated step counts, got {text!r}") from None
+    if not steps or min(steps) < 1:
+        raise argparse.ArgumentTypeError(f"step counts must be >= 1, got {text!r}")
+    return steps
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, as every other bad input
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = _Parser(prog="python -m pretrain.evaluate",
+                     description="Downstream evaluation of a trained model on lm-evaluation-harness, offline.")
+    parser.add_argument("source", help="run directory, checkpoint directory or exported .safetensors file")
+    parser.add_argument("--checkpoint", help="checkpoint of the run directory: a tag (step_00001000) or a step")
+    parser.add_argument("--tasks", required=True, help="suites (core, nrgpt_paper, ebt_paper) and/or task names, comma-separated")
+    parser.add_argument("--limit", type=_positive_int, help="documents per task (the first N); default all")
+    parser.add_argument("--think-steps", type=_step_list, help="EBT: evaluate at each of these inference step counts")
+    parser.add_argument("--best-of", type=_positive_int, default=1, help="EBT: noise samples per position (lowest energy kept)")
+    parser.add_argument("--batch-size", type=_positive_int, default=8, help="sequences per forward pass")
+    parser.add_argument("--device", help="cpu, cuda or cuda:N (default: this rank's GPU if there is one)")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="weights and activations")
+    parser.add_argument("--reference", help="owt_generation: the model (run, checkpoint or export) whose "
+                        "perplexity of the continuations is reported")
+    parser.add_argument("--out", help="results JSON (default: RUN_DIR/downstream/<tag>.json, or next to an export)")
+    return parser.parse_args(argv)
+
+
+def _device(requested: str | None):
+    import torch
+
+    if requested:
+        return torch.device(requested)
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def _run_dir(checkpoint_or_file: Path) -> Path | None:
+    """The run directory a checkpoint belongs to (RUN/ckpt/<tag>); None for an export."""
+    if checkpoint_or_file.is_dir() and checkpoint_or_file.parent.name == "ckpt":
+        return checkpoint_or_file.parent.parent
+    return None
+
+
+def _load_text_model(source: Path, device, dtype: str):
+    from pretrain.downstream.adapter import TEXT_TOKENIZERS
+    from pretrain.trained import LoadError, load_trained
+
+    trained = load_trained(source, device=device, dtype=dtype)
+    kind = (trained.manifest or {}).get("tokenizer")
+    if kind not in TEXT_TOKENIZERS:
+        raise LoadError(f"{source}: its tokenizer ({kind or 'unknown: no data manifest'}) cannot "
+                        "serve text tasks; they need a GPT-2 BPE model")
+    return trained
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    from data_pipeline.sources import DataError
+    from pretrain import checkpoint
+    from pretrain.downstream import generation, harness
+    from pretrain.downstream.adapter import HarnessModel
+    from pretrain.downstream.data import DataMissing, data_root
+    from pretrain.fileio import atomic_write_text
+    from pretrain.trained import LoadError
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        names = harness.parse_tasks(args.tasks)
+        data_root()
+        source = Path(args.source)
+        if args.checkpoint:
+            tag = checkpoint.tag_for(int(args.checkpoint)) if args.checkpoint.isdigit() else args.checkpoint
+            source = source / "ckpt" / tag
+            if not checkpoint.is_complete(source):
+                raise LoadError(f"{args.source}: no complete checkpoint {tag}")
+        device = _device(args.device)
+        if world_size > 1 and not dist.is_initialized():
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        trained = _load_text_model(source, device, args.dtype)
+        if (args.think_steps or args.best_of != 1) and not hasattr(trained.model, "think"):
+            raise LoadError(f"--think-steps/--best-of: a {trained.family} model does not think (EBT only)")
+        prompts = reference = None
+        if harness.wants_generation(names):
+            data_path = trained.run_config.get("data", {}).get("path")
+            if not data_path or not (Path(data_path) / "manifest.json").is_file():
+                raise LoadError(f"{generation.TASK}: the run's validation data ({data_path}) is not there "
+                                "to take prompts from")
+            prompts = generation.validation_prompts(data_path, args.limit or 64)
+            if args.reference:
+                reference = HarnessModel(_load_text_model(Path(args.reference), device, args.dtype).model,
+                                         trained.tokenizer, batch_size=args.batch_size, split_over_ranks=False)
+    except (harness.TaskError, DataMissing, LoadError, DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    rows, continuations = [], []
+    for steps in args.think_steps or [None]:
+        model = HarnessModel(trained.model, trained.tokenizer, batch_size=args.batch_size,
+                             think_steps=steps, best_of=args.best_of)
+        rows += harness.run(model, names, args.limit) or []
+        if prompts is not None:
+            generated = generation.generation_quality(model, prompts, reference)
+            if generated is not None:
+                for row in generated[0]:
+                    row.think_steps, row.best_of = steps, args.best_of
+                rows += generated[0]
+                continuations.append({"think_steps": steps, "continuations": generated[1]})
+    if world_size > 1 and dist.get_rank() != 0:
+        return 0
+    run_dir = _run_dir(trained.source)
+    out = Path(args.out) if args.out else (run_dir / "downstream" / f"{trained.source.name}.json" if run_dir
+                                           else trained.source.with_suffix(".downstream.json"))
+    report = {"source": str(trained.source), "flavor": trained.flavor, "family": trained.family,
+              "step": trained.step, "tasks": names, "limit": args.limit, "dtype": args.dtype,
+              "world_size": world_size, "rows": harness.rows_as_dicts(rows)}
+    if continuations:
+        report.update(reference=args.reference, generations=continuations)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out, json.dumps(report, indent=2) + "\n")
+    if run_dir is not None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        with SummaryWriter(str(run_dir / "tb")) as writer:
+            for tag, value in harness.scalars(rows).items():
+                writer.add_scalar(tag, value, trained.step)
+    print(harness.table(rows), end="")
+    print(f"results: {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

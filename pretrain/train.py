@@ -37,6 +37,7 @@ from pretrain.checkpoint import CheckpointError, CheckpointManager, ResumeState,
 from pretrain.config import (ConfigError, RunConfig, gradient_accumulation_steps, load_config,
                              model_config, padded_vocab, resolved_precision, to_dict, validate)
 from pretrain.engine import configure_device_math, deepspeed_config, distributed_env, initialize, seed_process
+from pretrain.downstream.in_training import evaluate_in_training
 from pretrain.evaluate import EvalResult, decode_padded, evaluate
 from pretrain.fileio import atomic_write_text
 from pretrain.flops import peak_tflops
@@ -111,6 +112,8 @@ class Trainer:
         self.run_dir = cfg.run_dir
         self.checkpoints = CheckpointManager(cfg, self.rank, self.world_size)
         self.state = TrainState()
+        self.downstream: dict[str, float] = {}
+        """The latest downstream scalars (eval.downstream), for summary.json."""
         self.resume_notes: list[str] = []
         self.batches = None
         self.data = None
@@ -414,6 +417,8 @@ class Trainer:
         self.metrics.print(line)
         if result.sample is not None:
             self.metrics.text(state.step, "eval/sample", result.sample)
+        self.downstream.update(evaluate_in_training(self.engine.module, self.cfg.eval.downstream, self.manifest,
+                                                    state.step, state.step >= self.total_steps, self.metrics.scalars))
         return result
 
     def write_summary(self) -> None:
@@ -434,7 +439,7 @@ class Trainer:
                    "seq_len": cfg.data.seq_len, "skipped_steps": state.skipped_steps,
                    "reloads": state.reloads, "think_losses": state.think_losses,
                    "tokens_per_s": self.throughput.session_tokens_per_s(),
-                   "model_config": asdict(self.model_config)},
+                   "model_config": asdict(self.model_config), "downstream": self.downstream},
         ).save(self.run_dir)
 
 

@@ -583,18 +583,22 @@ class EBT(LanguageModel):
     @torch.no_grad()
     def think(self, idx: torch.Tensor, steps: int | None = None, best_of: int = 1,
               targets: torch.Tensor | None = None, last_only: bool = False,
-              langevin_noise: bool | None = None, cache: DecodeCache | None = None) -> ThinkOutput:
+              langevin_noise: bool | None = None, cache: DecodeCache | None = None,
+              candidate: torch.Tensor | None = None) -> ThinkOutput:
         """Inference with `steps` descent steps (default n_steps; more is "thinking longer")
         from `best_of` seeded noise samples per position, keeping per position the sample with
         the lowest final energy. No training randomness; Langevin noise (seeded) if
         `langevin_noise`, default `langevin_noise_eval`. `targets` [B, T] adds the loss after
         each step (the eval "thinking curve"); `last_only` predicts only the last position; a
-        decoding `cache` holding idx's tokens gives the observed stream of those it has run."""
+        decoding `cache` holding idx's tokens gives the observed stream of those it has run.
+        `candidate` [best_of x B, R, V] (sample-major) replaces the seeded starting noise, e.g.
+        by noise that depends on the position only, so a row's result does not depend on its batch."""
         steps = steps or self.config.n_steps
         B, T = idx.shape
         check_length(self.config, T)
         rows = 1 if last_only else T
-        candidate = self.initial_candidate(best_of * B, rows, idx.device, seeded=True)
+        if candidate is None:
+            candidate = self.initial_candidate(best_of * B, rows, idx.device, seeded=True)
         if targets is not None:
             targets = targets[:, T - rows:].repeat(best_of, 1)
         noise_std = self.eval_noise_std() if langevin_noise is None else \
