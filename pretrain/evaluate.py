@@ -1,7 +1,6 @@
 """Evaluation during training: val loss and perplexity, bits per byte, EBT's thinking curve (val
 loss after 1..N inference steps), and a short generated text sample. As a command, downstream
 evaluation of a trained model on lm-evaluation-harness (pretrain.downstream), offline:
-a trained model on lm-evaluation-harness (pretrain.downstream), offline:
 
     python -m pretrain.evaluate RUN_DIR [--checkpoint TAG] --tasks core|nrgpt_paper|ebt_paper|NAME,...
         [--limit N] [--think-steps 1,2,4] [--best-of K] [--batch-size B] [--out FILE]
