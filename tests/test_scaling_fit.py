@@ -11,7 +11,7 @@ from tensorboard.plugins.custom_scalar import layout_pb2
 from pretrain.scaling.__main__ import main
 from pretrain.scaling.fit import TooFewPoints, fit_power_law, rate_difference
 from pretrain.scaling.registry import RunRecord, load_registry
-from pretrain.scaling.report import TB_STEPS_PER_DECADE
+from pretrain.scaling.plots import TB_STEPS_PER_DECADE
 
 ALPHA_TOLERANCE = 0.1
 """Relative error allowed on a recovered exponent with 12 points and 0.5% noise."""
@@ -149,26 +149,30 @@ def test_fit_command_outputs_and_tensorboard(fitted, capsys):
     assert "| nrgpt | L(N) | 7 |" in (out / "fits.md").read_text()
     assert (out / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
-    acc = EventAccumulator(str(out / "tb"), size_guidance={"scalars": 0, "images": 0,
-                                                          "tensors": 0})
-    acc.Reload()
+    def events(run):
+        acc = EventAccumulator(str(out / "tb" / run), size_guidance={
+            "scalars": 0, "images": 0, "tensors": 0})
+        acc.Reload()
+        return acc
+
+    # Each group is its own TensorBoard run (one colour per group), with the same tags.
     for family, (E, A, alpha) in TRUTH.items():
-        events = acc.Scalars(f"loss_vs_params/{family}")
-        assert [e.step for e in events] == [round(TB_STEPS_PER_DECADE * math.log10(n))
-                                            for n in SIZES]
-        fit_events = acc.Scalars(f"loss_vs_params_fit/{family}")
+        acc = events(family)
+        assert [e.step for e in acc.Scalars("loss_vs_params")] == [
+            round(TB_STEPS_PER_DECADE * math.log10(n)) for n in SIZES]
+        fit_events = acc.Scalars("loss_vs_params_fit")
         assert len(fit_events) > 20
         for e in fit_events:  # the fitted curve follows the true law closely
             x = 10 ** (e.step / TB_STEPS_PER_DECADE)
             assert e.value == pytest.approx(E + A * x**-alpha, rel=0.01)
-        assert len(acc.Scalars(f"loss_vs_flops/{family}")) == len(SIZES)
-    assert len(acc.Scalars("loss_vs_params/ebt")) == 2
-    assert "scaling/loglog" in acc.Tags()["images"]
+        assert len(acc.Scalars("loss_vs_flops")) == len(SIZES)
+    assert len(events("ebt").Scalars("loss_vs_params")) == 2
+    root = events("")
+    assert {"scaling/scaling", "scaling/compute"} <= set(root.Tags()["images"])
     layout = layout_pb2.Layout()
-    layout.ParseFromString(acc.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0])
+    layout.ParseFromString(root.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0])
     charts = {c.title: list(c.multiline.tag) for cat in layout.category for c in cat.chart}
-    assert charts["loss vs params (step = 1000 log10 N)"] == [r"loss_vs_params/.*",
-                                                             r"loss_vs_params_fit/.*"]
+    assert charts["loss vs params (step = 1000 log10 N)"] == [r"^loss_vs_params(_fit)?$"]
 
 
 def test_fit_command_bad_input(tmp_path, capsys):

@@ -10,15 +10,16 @@ from pretrain.scaling.__main__ import main
 from pretrain.scaling.launch import write_slurm_array
 from pretrain.scaling.registry import RunRecord, load_registry
 
-BASE = {"data": {"path": "checkpoints/datasets/x", "micro_batch_size": 4, "seq_len": 50},
+BASE = {"data": {"path": "checkpoints/datasets/x", "micro_batch_size": 4, "seq_len": 32},
         "train": {"max_steps": 100, "global_batch_size": 8},
         "optimizer": {"lr": 1e-3},
         "model": {"flavor": "gpt-tiny", "overrides": {"dropout": 0.0}}}
 
 
-def _sweep_file(tmp_path, **changes):
+def _sweep_file(tmp_path, data_path=None, **changes):
     base = tmp_path / "base.yaml"
-    base.write_text(yaml.safe_dump(BASE))
+    base_config = {**BASE, "data": {**BASE["data"], "path": data_path or BASE["data"]["path"]}}
+    base.write_text(yaml.safe_dump(base_config))
     spec = {"name": "sw", "base_config": str(base), "output_root": str(tmp_path / "out"),
             "overrides": {"train.global_batch_size": 16},
             "families": {"gpt": {"flavor": "gpt-tiny"},
@@ -46,7 +47,7 @@ def test_expansion_is_the_full_product_sharing_everything_but_the_cell(tmp_path)
         assert c["train"]["max_tokens"] == {"t100k": 100000, "t200k": 200000}[run.budget]
         assert c["train"]["max_steps"] is None  # the token budget alone ends the run
         assert c["train"]["global_batch_size"] == 16
-        assert {k: c["data"][k] for k in BASE["data"]} == BASE["data"]
+        assert {k: c["data"][k] for k in BASE["data"]} == {**BASE["data"], "path": c["data"]["path"]}
         assert c["optimizer"]["lr"] == (3e-3 if run.group == "gpt_rec" else 1e-3)
     # N is the model's own non-embedding count: it grows ~4x from width 32 to 64.
     n = {(r.group, r.size): r.non_embedding_params for r in runs}
@@ -63,7 +64,7 @@ def test_tokens_per_parameter_budget_and_warmup_share(tmp_path):
     for run in runs:
         assert run.budget == "x20"
         assert run.max_tokens == round(20 * run.non_embedding_params)
-        steps = -(-run.max_tokens // (16 * 50))  # global batch 16 x seq_len 50
+        steps = -(-run.max_tokens // (16 * 32))  # global batch 16 x seq_len 32
         assert run.config["schedule"]["warmup_steps"] == round(0.1 * steps) > 0
     # N counts the model as configured, family overrides included: 4 layers vs gpt-tiny's 2.
     n = {(r.group, r.size): r.non_embedding_params for r in runs}
@@ -89,8 +90,12 @@ def test_bad_sweeps_are_one_line_errors(tmp_path, change, message, capsys):
     assert not (tmp_path / "out").exists()
 
 
-def test_configs_index_and_slurm_array(tmp_path, capsys):
-    path = _sweep_file(tmp_path)
+def test_configs_index_and_slurm_array(tmp_path, tiny_dataset, capsys):
+    # A job array needs its datasets prepared: one line, nothing submitted.
+    assert main(["run", str(_sweep_file(tmp_path)), "--slurm"]) == 2
+    assert "dataset checkpoints/datasets/x is not prepared" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    path = _sweep_file(tmp_path, tiny_dataset)
     assert main(["run", str(path), "--dry-run"]) == 0
     sweep = sweeps.load_sweep(path)
     runs = sweeps.expand(sweep)

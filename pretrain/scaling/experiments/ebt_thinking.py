@@ -15,7 +15,7 @@ import torch
 from pretrain.fileio import markdown_table
 from pretrain.scaling.experiments.common import (train_and_evaluate,
                                                  trained_model, write_results)
-from pretrain.scaling.report import pyplot
+from pretrain.scaling.plots import pyplot
 
 SWEEP = "configs/scaling/ebt_thinking.yaml"
 MAX_STEPS = 6
@@ -53,10 +53,11 @@ def thinking_curves(model, data_dir: str) -> dict:
             "tokens": n * EVAL_MICRO_BATCH * inputs.size(1)}
 
 
-def main() -> int:
+def main(overrides: list[str] = ()) -> int:
     sweep, runs = train_and_evaluate(
         SWEEP, "ebt_thinking",
-        lambda run, run_dir: thinking_curves(trained_model(run_dir), run.config["data"]["path"]))
+        lambda run, run_dir: thinking_curves(trained_model(run_dir), run.config["data"]["path"]),
+        overrides)
     (run,) = runs
     record, curves = run.record, run.evaluation
     train_steps = curves["train_steps"]
