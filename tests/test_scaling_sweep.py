@@ -123,3 +123,84 @@ def test_configs_index_and_slurm_array(tmp_path, tiny_dataset, capsys):
         f"launch/slurm.sbatch {sweep.directory / 'slurm_runs.txt'}")
     assert subprocess.run(["bash", "-n", str(sweep.directory / "submit.sh")]).returncode == 0
     assert write_slurm_array(sweep, []) is None
+
+
+def test_flops_budgets_and_axes(tmp_path, tiny_dataset, capsys):
+    """A compute budget becomes each model's token budget by its own training FLOPs per token
+    (the trainer's accounting, readout included); an axis repeats every run, and the runs that
+    differ only in it share a cell."""
+    from pretrain import models
+    from pretrain.config import load_config, model_config
+
+    path = _sweep_file(tmp_path, tiny_dataset, tokens={}, flops=[4e10, 1.2e11],
+                       axes={"optimizer.lr": [1e-3, 3e-3]}, warmup_fraction=0.1)
+    assert main(["run", str(path), "--dry-run"]) == 0
+    sweep = sweeps.load_sweep(path)
+    runs = sweeps.expand(sweep)
+    assert len(runs) == 2 * 2 * 2 * 2  # groups x sizes x budgets x learning rates
+    tokens_per_step = 16 * 32
+    for run in runs:
+        cfg = load_config(sweep.directory / "configs" / f"{run.run_name}.yaml")
+        model = models.build(model_config(cfg, 50257))
+        flops_per_token = model.flops_per_token(32, training=True)
+        assert run.flops_per_token == flops_per_token
+        steps = run.max_tokens / tokens_per_step
+        assert steps == round(run.flops_budget / (flops_per_token * tokens_per_step)) >= 1
+        # Whole steps, the nearest to C: the compute is C within half a step.
+        assert abs(run.max_tokens * flops_per_token - run.flops_budget) <= \
+            0.5 * tokens_per_step * flops_per_token
+        assert cfg.optimizer.lr == run.axes["optimizer.lr"]
+        assert cfg.schedule.warmup_steps == round(0.1 * steps)
+        assert run.run_name == f"{run.cell}-lr{run.axes['optimizer.lr']:g}"
+    # Wider models get fewer tokens at the same compute.
+    tokens = {(r.group, r.size, r.budget): r.max_tokens for r in runs}
+    assert tokens[("gpt", "w64", "c40G")] < tokens[("gpt", "w32", "c40G")]
+    index = json.loads((sweep.directory / "sweep.json").read_text())["runs"]
+    entry = index["sw-gpt-w32-c120G-lr0.003"]
+    assert entry["cell"] == "sw-gpt-w32-c120G" and entry["axes"] == {"optimizer.lr": 0.003}
+    assert entry["flops_budget"] == 1.2e11
+
+
+def test_command_line_overrides_of_a_sweep(tmp_path, tiny_dataset, capsys):
+    path = _sweep_file(tmp_path, tiny_dataset)
+    assert main(["run", str(path), "--dry-run", "name=other", "tokens.fixed=[5.0e4]",
+                 "families.gpt_rec.overrides.optimizer.lr=5e-3", "train.log_interval=3",
+                 "sizes.w32.n_embd=16", "axes.optimizer.weight_decay=[0.0, 0.1]"]) == 0
+    runs = sweeps.expand(sweeps.load_sweep(path, [
+        "name=other", "tokens.fixed=[5.0e4]", "families.gpt_rec.overrides.optimizer.lr=5e-3",
+        "train.log_interval=3", "sizes.w32.n_embd=16", "axes.optimizer.weight_decay=[0.0, 0.1]"]))
+    assert {r.run_name.split("-")[0] for r in runs} == {"other"}
+    assert {r.max_tokens for r in runs} == {50000}
+    assert {r.config["train"]["log_interval"] for r in runs} == {3}
+    assert {r.config["optimizer"]["lr"] for r in runs if r.group == "gpt_rec"} == {5e-3}
+    assert {r.config["model"]["overrides"]["n_embd"] for r in runs if r.size == "w32"} == {16}
+    assert sorted({r.axes["optimizer.weight_decay"] for r in runs}) == [0.0, 0.1]
+    assert (tmp_path / "out" / "other" / "sweep.json").is_file()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["axes.optimizer.lrr=[1e-3]"], "unknown key optimizer.lrr"),
+    (["axes.train.max_tokens=[1000]"], "train.max_tokens is set by the sweep itself"),
+    (["flops=[1.0e5]"], "flops budget 1e+05 is too small for one optimizer step (512 tokens"),
+    (["slurm.tme=1"], "slurm.tme: unknown key 'tme'"),
+    (["nproc_per_node"], "not of the form key.sub=value"),
+    (["train.lrr=1"], "unknown key train.lrr"),
+])
+def test_bad_budgets_axes_and_overrides_are_one_line_errors(tmp_path, tiny_dataset, args,
+                                                            message, capsys):
+    path = _sweep_file(tmp_path, tiny_dataset)
+    extra = ["tokens={}"] if any(a.startswith("flops") for a in args) else []
+    assert main(["run", str(path), "--dry-run", *extra, *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_help_names_an_existing_sweep(capsys):
+    import re
+    from pathlib import Path
+
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    cited = re.findall(r"configs/scaling/\S+\.yaml", capsys.readouterr().out)
+    assert cited and all(Path(p).is_file() for p in cited)

@@ -58,7 +58,13 @@ def main(argv: list[str] | None = None) -> int:
     p_exp.add_argument("name", choices=EXPERIMENTS)
     p_exp.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
 
-    args = parser.parse_args(argv)
+    # Overrides may come before or after the options (argparse takes positionals in one run).
+    args, rest = parser.parse_known_args(argv)
+    unknown = [a for a in rest if a.startswith("-") or not hasattr(args, "overrides")]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if rest:
+        args.overrides = args.overrides + rest
     try:
         command = {"run": _run, "list": _list, "fit": _fit, "experiment": _experiment}
         return command[args.command](args)

@@ -185,8 +185,13 @@ def _nonnegative_wls(columns, y, w):
     unconstrained solution where it is feasible, else the best feasible one with some
     coefficients held at 0 (the non-negative least-squares optimum is one of these)."""
     # Normal equations from the pairwise weighted sums ([grid] each: cheap for tiny systems).
-    gram = np.stack([np.stack([(w * a * b).sum(1) for b in columns], -1) for a in columns], -2)
-    rhs = np.stack([(w * a * y).sum(1) for a in columns], -1)
+    weighted = [w * col for col in columns]
+    gram = np.empty((len(w), 3, 3))
+    for k in range(3):
+        for j in range(k, 3):
+            gram[:, k, j] = gram[:, j, k] = np.einsum("gr,gr->g", weighted[k], columns[j])
+    rhs = np.stack([weighted[k] @ y for k in range(3)], -1)
+    yy = w @ (y * y)
     best = np.zeros_like(rhs)
     best_sse = np.full(len(rhs), np.inf)
     todo = np.arange(len(rhs))
@@ -194,16 +199,17 @@ def _nonnegative_wls(columns, y, w):
         k = len(subset)
         # A tiny ridge keeps near-collinear columns (n^-alpha ~ 1 as alpha -> 0) solvable.
         g = gram[np.ix_(todo, subset, subset)] + 1e-12 * np.eye(k)
-        c = np.linalg.solve(g, rhs[np.ix_(todo, subset)][..., None])[..., 0]
-        full = np.zeros((len(todo), 3))
-        full[:, subset] = c
-        fitted = sum(full[:, j, None] * columns[j][todo] for j in range(3))
-        sse = (w[todo] * (y - fitted) ** 2).sum(1)
-        better = (c >= 0).all(1) & (sse < best_sse[todo])
+        r = rhs[np.ix_(todo, subset)]
+        c = np.linalg.solve(g, r[..., None])[..., 0]
+        # At a least-squares solution the residual sum is y'Wy - c'X'Wy.
+        sse = yy[todo] - (c * r).sum(1)
+        feasible = (c >= 0).all(1)
+        better = feasible & (sse < best_sse[todo])
         best_sse[todo[better]] = sse[better]
-        best[todo[better]] = full[better]
+        best[todo[better]] = 0.0
+        best[np.ix_(todo[better], subset)] = c[better]
         if k == 3:  # rows whose unconstrained solution is feasible are done
-            todo = todo[~(c >= 0).all(1)]
+            todo = todo[~feasible]
             if todo.size == 0:
                 break
     return best
