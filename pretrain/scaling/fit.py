@@ -77,7 +77,7 @@ def fit_power_law(x, y, *, irreducible: bool = True, n_bootstrap: int = 1000,
     law = PowerLaw(E=E, A=a * x_ref**alpha, alpha=alpha)
 
     names = ("E", "A", "alpha")
-    if len(x) <= MIN_POINTS:  # every valid resample would be the data itself
+    if len(x) <= MIN_POINTS or n_bootstrap == 0:  # (every valid resample would be the data)
         nan = (float("nan"), float("nan"))
         return FitResult(law, len(x), {k: nan for k in names}, ci_level, np.empty(0),
                          _at_bound(alpha))

@@ -208,12 +208,14 @@ def _curve(writer, tag: str, fn, lo: float, hi: float) -> None:
             writer.add_scalar(tag, value, step)
 
 
-def write_tensorboard(tb_dir: Path, analysis, figures: dict, table_md: str) -> None:
+def write_tensorboard(tb_dir: Path, analysis, images: dict[str, Path], table_md: str) -> None:
     """Per group (run `tb/<group>/`): `loss_vs_{params,flops,tokens}` (measured, ascending x:
     TensorBoard drops points when a tag's step goes back) and `..._fit`; `frontier` (the joint
     law's L*(C)); `isoflop_c<C>` and `isoflop_fit_c<C>` (loss against N); `gain_vs_flops` and
     its interval `gain_vs_flops_lo`/`_hi`. In `tb/`: the custom-scalar layouts, the figures
-    (`scaling/<name>`) and the tables (`scaling/fits`)."""
+    (`scaling/<name>`, from the PNG files `images`, so each is drawn once) and the tables
+    (`scaling/fits`)."""
+    import matplotlib.image
     from torch.utils.tensorboard import SummaryWriter
 
     from pretrain.scaling.report import LAWS
@@ -258,7 +260,8 @@ def write_tensorboard(tb_dir: Path, analysis, figures: dict, table_md: str) -> N
         writer.close()
     writer = SummaryWriter(str(tb_dir))
     writer.add_custom_scalars({"scaling laws": layout})
-    for name, figure in figures.items():
-        writer.add_figure(f"scaling/{name}", figure, close=False)
+    for name, path in images.items():
+        writer.add_image(f"scaling/{name}", matplotlib.image.imread(path)[..., :3],
+                         dataformats="HWC")
     writer.add_text("scaling/fits", table_md)
     writer.close()

@@ -508,9 +508,11 @@ def write_outputs(out_dir: Path, analysis: Analysis, header: str = "") -> None:
                            ("gains", gain_rows(analysis))):
             if rows:
                 (tmp / f"{name}.csv").write_text(to_csv(rows))
+        images = {}
         for name, figure in figures.items():
-            figure.savefig(tmp / f"{name}.png", dpi=90)
-        plots.write_tensorboard(tmp / "tb", analysis, figures, table_md)
+            images[name] = tmp / f"{name}.png"
+            figure.savefig(images[name], dpi=90)
+        plots.write_tensorboard(tmp / "tb", analysis, images, table_md)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
