@@ -81,7 +81,9 @@ def main(overrides: list[str] = ()) -> int:
 
 def _figure(steps_rows, best_rows, trained_steps: tuple[int, int]):
     plt = pyplot()
-    fig, (ax_steps, ax_best) = plt.subplots(1, 2, figsize=(8.4, 3.4))
+    # One loss scale for both panels: on an axis of its own, with an offset, a best-of-N
+    # difference of 0.0003 nats fills the panel and reads like a trend.
+    fig, (ax_steps, ax_best) = plt.subplots(1, 2, figsize=(8.4, 3.4), sharey=True)
     steps = [r["steps"] for r in steps_rows]
     ax_steps.plot(steps, [r["val_loss"] for r in steps_rows], "o-", label="val loss")
     ax_steps.axvspan(*trained_steps, color="0.88", label="steps used in training")
@@ -95,7 +97,7 @@ def _figure(steps_rows, best_rows, trained_steps: tuple[int, int]):
     ax_best.plot([r["best_of"] for r in best_rows], [r["val_loss"] for r in best_rows], "o-")
     ax_best.set_xscale("log", base=2)
     ax_best.set_xlabel(f"best of N candidates ({trained_steps[1]} steps)")
-    ax_best.set_ylabel("val loss")
+    ax_best.ticklabel_format(axis="y", useOffset=False)
     for ax in (ax_steps, ax_best):
         ax.grid(True, alpha=0.3)
     fig.suptitle("EBT S2 (tiny): thinking longer and best-of-N", fontsize=10)
