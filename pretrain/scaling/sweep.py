@@ -192,7 +192,8 @@ def load_sweep(path: str | Path, overrides: list[str] = ()) -> Sweep:
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """`raw` (a parsed sweep) with `key.sub=value` items applied, values parsed as YAML. A key
+    """`raw` (a parsed sweep) with `key.sub=value` items applied, values parsed as YAML scalars
+    as the trainer parses its overrides (text that is not YAML stays text). A key
     whose first part is a sweep field sets that field (`flops=[1e11,3e11]`, `slurm.time=4:00:00`,
     `families.gpt.overrides.optimizer.lr=1e-3`); any other key is a trainer key for every run
     (`train.global_batch_size=16`: an entry of `overrides`)."""
@@ -205,8 +206,8 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
         try:
             value = yaml.safe_load(text)
         except yaml.YAMLError:
-            raise ValueError(f"command line: {key}: not a YAML value: {text!r}") from None
-        parts = key.split(".")
+            value = text
+        parts = key.strip().split(".")
         if parts[0] not in sweep_fields:
             parts = ["overrides", key]
         _set(raw, parts, value, Sweep, key)
