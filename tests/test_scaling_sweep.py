@@ -204,3 +204,21 @@ def test_help_names_an_existing_sweep(capsys):
         main(["run", "--help"])
     cited = re.findall(r"configs/scaling/\S+\.yaml", capsys.readouterr().out)
     assert cited and all(Path(p).is_file() for p in cited)
+
+
+def test_isoflop_experiment_sweep_expands(tiny_dataset, tmp_path):
+    """The shipped IsoFLOP sweep is valid: 4 families x 3 widths x 3 budgets x 2 learning
+    rates, every run at least one optimizer step, its compute C within half a step."""
+    sweep = sweeps.load_sweep("configs/scaling/isoflop.yaml", [
+        f"output_root={tmp_path}", f"data.path={tiny_dataset}", "data.seq_len=32",
+        "data.source=null"])
+    runs = sweeps.expand(sweep)
+    assert len(runs) == 72 and len({r.cell for r in runs}) == 36
+    assert {r.group for r in runs} == {"gpt", "nrgpt", "ebt", "transformer_pp"}
+    for run in runs:
+        step_flops = run.flops_per_token * 4 * 32
+        assert run.max_tokens >= 4 * 32
+        assert abs(run.max_tokens * run.flops_per_token - run.flops_budget) <= step_flops / 2
+    # An EBT token costs several GPT tokens at the same width (the descent and its backward).
+    fpt = {(r.group, r.size): r.flops_per_token for r in runs}
+    assert 3 < fpt[("ebt", "w32")] / fpt[("transformer_pp", "w32")] < 6
