@@ -91,10 +91,14 @@ def test_bad_sweeps_are_one_line_errors(tmp_path, change, message, capsys):
 
 
 def test_configs_index_and_slurm_array(tmp_path, tiny_dataset, capsys):
-    # A job array needs its datasets prepared: one line, nothing submitted.
-    assert main(["run", str(_sweep_file(tmp_path)), "--slurm"]) == 2
-    assert "dataset checkpoints/datasets/x is not prepared" in capsys.readouterr().err
-    assert not (tmp_path / "out").exists()
+    # A job array, or a local launch, needs its datasets (this config names no source to
+    # prepare one from): one line, nothing submitted or started.
+    for launch in (["--slurm"], []):
+        assert main(["run", str(_sweep_file(tmp_path)), *launch]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "dataset checkpoints/datasets/x is not prepared" in err
+        assert "python -m data_pipeline.prepare --out checkpoints/datasets/x" in err
+        assert not (tmp_path / "out").exists()
     path = _sweep_file(tmp_path, tiny_dataset)
     assert main(["run", str(path), "--dry-run"]) == 0
     sweep = sweeps.load_sweep(path)
