@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-import math
 import types
 import typing
 from dataclasses import dataclass, field
