@@ -418,8 +418,8 @@ def _compact(value: float) -> str:
 
 
 def write_run_configs(sweep: Sweep, runs: list[RunSpec]) -> list[Path]:
-    """Write each run's trainer YAML under SWEEP_DIR/configs/ and the sweep's cell index
-    (`sweep.json`, read by the registry to group runs); return the config paths."""
+    """Write each run's trainer YAML under SWEEP_DIR/configs/ and add the runs to the sweep's
+    cell index (`sweep.json`, read by the registry to group runs); return the config paths."""
     config_dir = sweep.directory / "configs"
     config_dir.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -427,13 +427,17 @@ def write_run_configs(sweep: Sweep, runs: list[RunSpec]) -> list[Path]:
         path = config_dir / f"{run.run_name}.yaml"
         atomic_write_text(path, yaml.safe_dump(run.config, sort_keys=False))
         paths.append(path)
+    # Entries of runs from an earlier definition of the sweep stay (e.g. a learning rate added
+    # later for one family): their runs are on disk, and their cells must stay their cells.
+    index_path = sweep.directory / SWEEP_FILE
+    known = json.loads(index_path.read_text())["runs"] if index_path.is_file() else {}
     index = {"sweep": sweep.name,
-             "runs": {r.run_name: {"group": r.group, "size": r.size, "budget": r.budget,
+             "runs": known | {r.run_name: {"group": r.group, "size": r.size, "budget": r.budget,
                                    "cell": r.cell, "axes": r.axes,
                                    "non_embedding_params": r.non_embedding_params,
                                    "max_tokens": r.max_tokens, "flops_budget": r.flops_budget,
                                    "flops_per_token": r.flops_per_token} for r in runs}}
-    atomic_write_text(sweep.directory / SWEEP_FILE, json.dumps(index, indent=2) + "\n")
+    atomic_write_text(index_path, json.dumps(index, indent=2) + "\n")
     return paths
 
 
