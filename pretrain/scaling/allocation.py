@@ -92,13 +92,13 @@ def compute_equivalent_gain(family: tuple[JointLaw, FlopsModel, tuple[float, flo
     base = frontier(*baseline[:2], grid, baseline[2])
     ok = np.isfinite(base)
     grid, base = grid[ok], base[ok]
+    gain = np.full(len(budgets), np.nan)
+    if len(base) < 2:
+        return gain
     # The frontier falls with compute: interpolate log C as a function of the loss, where the
     # baseline's frontier is strictly decreasing (np.interp wants increasing abscissae).
     keep = np.concatenate([[True], np.diff(base) < 0])
     grid, base = grid[keep], base[keep]
-    gain = np.full(len(budgets), np.nan)
-    if len(base) < 2:
-        return gain
     reached = np.isfinite(target) & (target <= base[0]) & (target >= base[-1])
     log_c = np.interp(target[reached], base[::-1], np.log(grid[::-1]))
     gain[reached] = np.exp(log_c) / budgets[reached]
