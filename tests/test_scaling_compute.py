@@ -139,3 +139,12 @@ def test_compute_equivalent_gain_of_a_known_factor():
     for name in ("alpha", "beta"):
         _, delta, (lo, hi) = comparison.exponents[name]
         assert lo < 0 < hi
+
+
+def test_gain_is_nan_where_the_baseline_frontier_is_undefined():
+    """A baseline whose loss only falls with smaller models (no optimum within the search) has
+    no frontier: the gain is NaN, not an error."""
+    no_optimum = JointLaw(E=1.0, A=0.0, alpha=0.3, B=50.0, beta=0.3)
+    gain = compute_equivalent_gain((TRUE, SIX_N, (1e4, 1e6)), (no_optimum, SIX_N, (1e4, 1e6)),
+                                   [1e11, 1e12])
+    assert np.isnan(gain).all()
