@@ -7,8 +7,11 @@ threads  one training step (forward, backward, AdamW) of a ListOps-size `gpt_rec
          round. On a busy 2-core machine 2 threads can be far slower than 1 (OpenMP threads spin
          waiting for descheduled peers); `threads_per_process: 1` in a sweep follows from this.
          Both wall-clock and CPU time per step are printed: the CPU time shows the spinning.
-fit      `fit_power_law` with the default 1000 bootstrap resamples, for 6, 20 and 60 runs (what
+fit      `fit_power_law` with 1000 bootstrap resamples, for 6, 20 and 60 runs (what
          `python -m pretrain.scaling fit` does per group and law, twice: E free and E = 0).
+joint    `fit_joint_law` (L(N, D), Huber, variable projection) with the fit command's default 500
+         resamples, for 12 and 36 runs, side by side with one resample at a time (the
+         resamples batched as rows of weights vs a loop of single fits).
 Medians over the rounds; the load average is printed because the threads ratio depends on it.
 """
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 
 from pretrain import models
 from pretrain.scaling.fit import fit_power_law
+from pretrain.scaling.joint import JointLaw, fit_joint_law
 
 
 def step_cost(model, optimizer, batch, threads: int, steps: int = 5) -> tuple[float, float]:
@@ -72,6 +76,27 @@ def main() -> None:
             fit_power_law(x, y)
             times.append(time.perf_counter() - start)
         print(f"{n:>4d}  {statistics.median(times):.3f}")
+
+    print("\nruns  joint law + 500 resamples: batched (s)  one at a time (s)  ratio")
+    law = JointLaw(1.8, 60.0, 0.35, 300.0, 0.30)
+    for n_runs in (12, 36):
+        n = np.geomspace(1e4, 1e6, n_runs)
+        d = np.geomspace(1e8, 1e6, n_runs) * rng.uniform(0.5, 2.0, n_runs)
+        loss = law(n, d) * np.exp(0.005 * rng.standard_normal(n_runs))
+        batched, single = [], []
+        for _ in range(max(1, args.rounds // 2)):
+            start = time.perf_counter()
+            fit_joint_law(n, d, loss, n_bootstrap=500)
+            batched.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            for seed in range(500):  # the same work, one resample per call
+                idx = np.random.default_rng(seed).integers(0, n_runs, n_runs)
+                if len(np.unique(n[idx])) < 3:
+                    continue  # as the batched bootstrap redraws such resamples
+                fit_joint_law(n[idx], d[idx], loss[idx], n_bootstrap=0)
+            single.append(time.perf_counter() - start)
+        b, s1 = statistics.median(batched), statistics.median(single)
+        print(f"{n_runs:>4d}  {b:>36.2f}  {s1:>17.2f}  {s1 / b:5.1f}")
 
 
 if __name__ == "__main__":

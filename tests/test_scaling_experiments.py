@@ -41,3 +41,23 @@ def test_cached_computes_once_per_key(tmp_path):
     assert cached(tmp_path, "a", compute) == {"x": 1} and len(calls) == 1
     assert cached(tmp_path, "b", compute) == {"x": 2}
     assert set(json.loads((tmp_path / "experiment_eval.json").read_text())) == {"a", "b"}
+
+
+def test_thinking_figure_shows_a_tiny_best_of_n_difference_as_flat():
+    """The best-of-N panel shares the loss scale of the steps panel and has no offset: a
+    0.0003-nat difference must not fill the panel."""
+    from pretrain.scaling.experiments.ebt_thinking import _figure
+    from pretrain.scaling.plots import pyplot
+
+    losses = [7.125, 6.029, 5.760, 5.923, 5.794, 5.909]
+    steps_rows = [{"steps": k + 1, "val_loss": v, "final_energy": -2.0}
+                  for k, v in enumerate(losses)]
+    best_rows = [{"best_of": n, "val_loss": v} for n, v in ((1, 5.7597), (2, 5.7596),
+                                                              (4, 5.7594))]
+    figure = _figure(steps_rows, best_rows, (2, 3))
+    ax_steps, ax_best = figure.axes[:2]  # (then the energy twin of the steps panel)
+    figure.canvas.draw()
+    low, high = ax_best.get_ylim()
+    assert (low, high) == ax_steps.get_ylim() and high - low > 1.0
+    assert ax_best.yaxis.get_offset_text().get_text() == ""
+    pyplot().close(figure)

@@ -2,6 +2,7 @@
 import csv
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ from tensorboard.plugins.custom_scalar import layout_pb2
 from pretrain.scaling.__main__ import main
 from pretrain.scaling.fit import TooFewPoints, fit_power_law, rate_difference
 from pretrain.scaling.registry import RunRecord, load_registry
-from pretrain.scaling.report import TB_STEPS_PER_DECADE
+from pretrain.scaling.plots import TB_STEPS_PER_DECADE
 
 ALPHA_TOLERANCE = 0.1
 """Relative error allowed on a recovered exponent with 12 points and 0.5% noise."""
@@ -149,26 +150,30 @@ def test_fit_command_outputs_and_tensorboard(fitted, capsys):
     assert "| nrgpt | L(N) | 7 |" in (out / "fits.md").read_text()
     assert (out / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
-    acc = EventAccumulator(str(out / "tb"), size_guidance={"scalars": 0, "images": 0,
-                                                          "tensors": 0})
-    acc.Reload()
+    def events(run):
+        acc = EventAccumulator(str(out / "tb" / run), size_guidance={
+            "scalars": 0, "images": 0, "tensors": 0})
+        acc.Reload()
+        return acc
+
+    # Each group is its own TensorBoard run (one colour per group), with the same tags.
     for family, (E, A, alpha) in TRUTH.items():
-        events = acc.Scalars(f"loss_vs_params/{family}")
-        assert [e.step for e in events] == [round(TB_STEPS_PER_DECADE * math.log10(n))
-                                            for n in SIZES]
-        fit_events = acc.Scalars(f"loss_vs_params_fit/{family}")
+        acc = events(family)
+        assert [e.step for e in acc.Scalars("loss_vs_params")] == [
+            round(TB_STEPS_PER_DECADE * math.log10(n)) for n in SIZES]
+        fit_events = acc.Scalars("loss_vs_params_fit")
         assert len(fit_events) > 20
         for e in fit_events:  # the fitted curve follows the true law closely
             x = 10 ** (e.step / TB_STEPS_PER_DECADE)
             assert e.value == pytest.approx(E + A * x**-alpha, rel=0.01)
-        assert len(acc.Scalars(f"loss_vs_flops/{family}")) == len(SIZES)
-    assert len(acc.Scalars("loss_vs_params/ebt")) == 2
-    assert "scaling/loglog" in acc.Tags()["images"]
+        assert len(acc.Scalars("loss_vs_flops")) == len(SIZES)
+    assert len(events("ebt").Scalars("loss_vs_params")) == 2
+    root = events("")
+    assert {"scaling/scaling", "scaling/compute"} <= set(root.Tags()["images"])
     layout = layout_pb2.Layout()
-    layout.ParseFromString(acc.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0])
+    layout.ParseFromString(root.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0])
     charts = {c.title: list(c.multiline.tag) for cat in layout.category for c in cat.chart}
-    assert charts["loss vs params (step = 1000 log10 N)"] == [r"loss_vs_params/.*",
-                                                             r"loss_vs_params_fit/.*"]
+    assert charts["loss vs params (step = 1000 log10 N)"] == [r"^loss_vs_params(_fit)?$"]
 
 
 def test_fit_command_bad_input(tmp_path, capsys):
@@ -180,3 +185,101 @@ def test_fit_command_bad_input(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no finished runs" in err
     assert not (tmp_path / "out").exists()
+
+
+# A compute-budget sweep with a learning-rate axis, written as the sweep runner writes it:
+# gpt follows a known joint law; nrgpt is gpt with every token worth K of gpt's (a known
+# compute-equivalent gain of K). The learning rate costs loss away from its optimum, which
+# sits inside the grid for gpt and at its top for nrgpt (flagged: it may lie beyond).
+from pretrain.scaling.allocation import FlopsModel, optimal_allocation  # noqa: E402
+from pretrain.scaling.joint import JointLaw  # noqa: E402
+
+GPT_LAW = JointLaw(E=1.8, A=60.0, alpha=0.35, B=300.0, beta=0.30)
+K = 2.0
+NRGPT_LAW = JointLaw(GPT_LAW.E, GPT_LAW.A, GPT_LAW.alpha, GPT_LAW.B * K**-GPT_LAW.beta,
+                     GPT_LAW.beta)
+BUDGETS = [1e11, 1e12, 1e13]
+LRS = [1e-3, 3e-3, 1e-2]
+BEST_LR = {"gpt": 3e-3, "nrgpt": 1e-2}
+
+
+def _sweep_runs(root):
+    sweep_dir = root / "iso"
+    index = {}
+    rng = np.random.default_rng(7)
+    for family, law in (("gpt", GPT_LAW), ("nrgpt", NRGPT_LAW)):
+        for c in BUDGETS:
+            n_opt = optimal_allocation(law, FlopsModel(math.log(6), 1.0), [c], (1e4, 1e6))[0][0]
+            for n in (n_opt * np.geomspace(1 / 8, 8, 5)).astype(int):
+                cell = f"iso-{family}-n{n}-c{c:.0e}"
+                d = int(c / (6 * n))
+                for lr in LRS:
+                    penalty = 1 + 0.02 * math.log(lr / BEST_LR[family]) ** 2
+                    loss = float(law(n, d) * penalty * math.exp(0.003 * rng.standard_normal()))
+                    name = f"{cell}-lr{lr:g}"
+                    _write_run(sweep_dir, _record(
+                        name, family, int(n), d, loss, train_flops=6.0 * n * d,
+                        extra={"flops_per_token": 6.0 * n, "eval": {"acc": 1 / loss}}))
+                    index[name] = {"group": family, "size": f"n{n}", "budget": f"c{c:.0e}",
+                                   "cell": cell, "axes": {"optimizer.lr": lr},
+                                   "flops_budget": c, "flops_per_token": 6.0 * n}
+    (sweep_dir / "sweep.json").write_text(json.dumps({"sweep": "iso", "runs": index}))
+    return sweep_dir
+
+
+def test_compute_sweep_fit_isoflop_joint_gain_and_learning_rates(tmp_path, capsys):
+    sweep_dir = _sweep_runs(tmp_path)
+    assert main(["fit", str(sweep_dir), "--bootstrap", "40"]) == 0
+    out = sweep_dir / "fit"  # the default: next to the sweep's runs
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o777 & ~umask  # like every other directory
+    text = (out / "fits.md").read_text()
+    for section in ("Axes (e.g. learning rate)", "IsoFLOP parabolas", "Joint law",
+                    "Compute-equivalent gain"):
+        assert section in text
+
+    # The learning-rate curves: nrgpt's best is the top of the grid in every cell (flagged),
+    # gpt's inside it.
+    assert "15 of 30 cells have their best value on the edge" in text
+    # The fits use each cell's best run: the minimum over the axis.
+    rows = list(csv.DictReader((out / "isoflop.csv").open()))
+    assert len(rows) == 6 and all(r["inside"] == "True" for r in rows)
+    for r in rows:
+        law = GPT_LAW if r["group"] == "gpt" else NRGPT_LAW
+        n_true = optimal_allocation(law, FlopsModel(math.log(6), 1.0), [float(r["budget"])],
+                                    (1e4, 1e6))[0][0]
+        assert float(r["n_opt"]) == pytest.approx(n_true, rel=0.3)
+    (joint_gpt,) = [r for r in csv.DictReader((out / "joint.csv").open()) if r["group"] == "gpt"]
+    assert float(joint_gpt["alpha"]) == pytest.approx(GPT_LAW.alpha, rel=0.15)
+    assert float(joint_gpt["beta"]) == pytest.approx(GPT_LAW.beta, rel=0.15)
+    # C = 6ND: N* ~ C^(beta / (alpha + beta)), D* ~ C^(alpha / (alpha + beta)).
+    assert float(joint_gpt["n_opt_exponent"]) == pytest.approx(0.30 / 0.65, abs=0.06)
+    assert float(joint_gpt["n_opt_exponent"]) + float(joint_gpt["d_opt_exponent"]) == \
+        pytest.approx(1.0, abs=0.01)
+    gains = list(csv.DictReader((out / "gains.csv").open()))
+    assert {(g["group"], g["baseline"]) for g in gains} == {("nrgpt", "gpt")}
+    middle = gains[len(gains) // 2]
+    assert float(middle["gain"]) == pytest.approx(K, rel=0.3)
+    assert float(middle["gain_lo"]) < K < float(middle["gain_hi"])
+    for name in ("isoflop", "gain", "axes", "compute"):
+        assert (out / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
+
+    acc = EventAccumulator(str(out / "tb" / "nrgpt"), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert len(acc.Scalars("gain_vs_flops")) == len(gains)
+    assert {"frontier", "isoflop_c1e+11", "isoflop_fit_c1e+11"} <= set(acc.Tags()["scalars"])
+    root = EventAccumulator(str(out / "tb"), size_guidance={"images": 0, "tensors": 0})
+    root.Reload()
+    assert {"scaling/isoflop", "scaling/gain", "scaling/axes"} <= set(root.Tags()["images"])
+
+    # Any recorded metric: a score where higher is better is fitted as 1 - score.
+    capsys.readouterr()
+    assert main(["fit", str(sweep_dir), "--metric", "eval.acc", "--higher-is-better",
+                 "--bootstrap", "0", "--out", str(tmp_path / "acc")]) == 0
+    assert "eval.acc, as 1 - metric" in (tmp_path / "acc" / "fits.md").read_text()
+    assert main(["fit", str(sweep_dir), "--metric", "eval.nope",
+                 "--out", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no run has a usable eval.nope" in err
+    assert not (tmp_path / "nope").exists()

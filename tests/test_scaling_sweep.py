@@ -10,15 +10,16 @@ from pretrain.scaling.__main__ import main
 from pretrain.scaling.launch import write_slurm_array
 from pretrain.scaling.registry import RunRecord, load_registry
 
-BASE = {"data": {"path": "checkpoints/datasets/x", "micro_batch_size": 4, "seq_len": 50},
+BASE = {"data": {"path": "checkpoints/datasets/x", "micro_batch_size": 4, "seq_len": 32},
         "train": {"max_steps": 100, "global_batch_size": 8},
         "optimizer": {"lr": 1e-3},
         "model": {"flavor": "gpt-tiny", "overrides": {"dropout": 0.0}}}
 
 
-def _sweep_file(tmp_path, **changes):
+def _sweep_file(tmp_path, data_path=None, **changes):
     base = tmp_path / "base.yaml"
-    base.write_text(yaml.safe_dump(BASE))
+    base_config = {**BASE, "data": {**BASE["data"], "path": data_path or BASE["data"]["path"]}}
+    base.write_text(yaml.safe_dump(base_config))
     spec = {"name": "sw", "base_config": str(base), "output_root": str(tmp_path / "out"),
             "overrides": {"train.global_batch_size": 16},
             "families": {"gpt": {"flavor": "gpt-tiny"},
@@ -46,7 +47,7 @@ def test_expansion_is_the_full_product_sharing_everything_but_the_cell(tmp_path)
         assert c["train"]["max_tokens"] == {"t100k": 100000, "t200k": 200000}[run.budget]
         assert c["train"]["max_steps"] is None  # the token budget alone ends the run
         assert c["train"]["global_batch_size"] == 16
-        assert {k: c["data"][k] for k in BASE["data"]} == BASE["data"]
+        assert {k: c["data"][k] for k in BASE["data"]} == {**BASE["data"], "path": c["data"]["path"]}
         assert c["optimizer"]["lr"] == (3e-3 if run.group == "gpt_rec" else 1e-3)
     # N is the model's own non-embedding count: it grows ~4x from width 32 to 64.
     n = {(r.group, r.size): r.non_embedding_params for r in runs}
@@ -63,7 +64,7 @@ def test_tokens_per_parameter_budget_and_warmup_share(tmp_path):
     for run in runs:
         assert run.budget == "x20"
         assert run.max_tokens == round(20 * run.non_embedding_params)
-        steps = -(-run.max_tokens // (16 * 50))  # global batch 16 x seq_len 50
+        steps = -(-run.max_tokens // (16 * 32))  # global batch 16 x seq_len 32
         assert run.config["schedule"]["warmup_steps"] == round(0.1 * steps) > 0
     # N counts the model as configured, family overrides included: 4 layers vs gpt-tiny's 2.
     n = {(r.group, r.size): r.non_embedding_params for r in runs}
@@ -89,8 +90,16 @@ def test_bad_sweeps_are_one_line_errors(tmp_path, change, message, capsys):
     assert not (tmp_path / "out").exists()
 
 
-def test_configs_index_and_slurm_array(tmp_path, capsys):
-    path = _sweep_file(tmp_path)
+def test_configs_index_and_slurm_array(tmp_path, tiny_dataset, capsys):
+    # A job array, or a local launch, needs its datasets (this config names no source to
+    # prepare one from): one line, nothing submitted or started.
+    for launch in (["--slurm"], []):
+        assert main(["run", str(_sweep_file(tmp_path)), *launch]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "dataset checkpoints/datasets/x is not prepared" in err
+        assert "python -m data_pipeline.prepare --out checkpoints/datasets/x" in err
+        assert not (tmp_path / "out").exists()
+    path = _sweep_file(tmp_path, tiny_dataset)
     assert main(["run", str(path), "--dry-run"]) == 0
     sweep = sweeps.load_sweep(path)
     runs = sweeps.expand(sweep)
@@ -118,3 +127,102 @@ def test_configs_index_and_slurm_array(tmp_path, capsys):
         f"launch/slurm.sbatch {sweep.directory / 'slurm_runs.txt'}")
     assert subprocess.run(["bash", "-n", str(sweep.directory / "submit.sh")]).returncode == 0
     assert write_slurm_array(sweep, []) is None
+
+
+def test_flops_budgets_and_axes(tmp_path, tiny_dataset, capsys):
+    """A compute budget becomes each model's token budget by its own training FLOPs per token
+    (the trainer's accounting, readout included); an axis repeats every run, and the runs that
+    differ only in it share a cell."""
+    from pretrain import models
+    from pretrain.config import load_config, model_config
+
+    path = _sweep_file(tmp_path, tiny_dataset, tokens={}, flops=[4e10, 1.2e11],
+                       axes={"optimizer.lr": [1e-3, 3e-3]}, warmup_fraction=0.1)
+    assert main(["run", str(path), "--dry-run"]) == 0
+    sweep = sweeps.load_sweep(path)
+    runs = sweeps.expand(sweep)
+    assert len(runs) == 2 * 2 * 2 * 2  # groups x sizes x budgets x learning rates
+    tokens_per_step = 16 * 32
+    for run in runs:
+        cfg = load_config(sweep.directory / "configs" / f"{run.run_name}.yaml")
+        model = models.build(model_config(cfg, 50257))
+        flops_per_token = model.flops_per_token(32, training=True)
+        assert run.flops_per_token == flops_per_token
+        steps = run.max_tokens / tokens_per_step
+        assert steps == round(run.flops_budget / (flops_per_token * tokens_per_step)) >= 1
+        # Whole steps, the nearest to C: the compute is C within half a step.
+        assert abs(run.max_tokens * flops_per_token - run.flops_budget) <= \
+            0.5 * tokens_per_step * flops_per_token
+        assert cfg.optimizer.lr == run.axes["optimizer.lr"]
+        assert cfg.schedule.warmup_steps == round(0.1 * steps)
+        assert run.run_name == f"{run.cell}-lr{run.axes['optimizer.lr']:g}"
+    # Wider models get fewer tokens at the same compute.
+    tokens = {(r.group, r.size, r.budget): r.max_tokens for r in runs}
+    assert tokens[("gpt", "w64", "c40G")] < tokens[("gpt", "w32", "c40G")]
+    index = json.loads((sweep.directory / "sweep.json").read_text())["runs"]
+    entry = index["sw-gpt-w32-c120G-lr0.003"]
+    assert entry["cell"] == "sw-gpt-w32-c120G" and entry["axes"] == {"optimizer.lr": 0.003}
+    assert entry["flops_budget"] == 1.2e11
+
+
+def test_command_line_overrides_of_a_sweep(tmp_path, tiny_dataset, capsys):
+    path = _sweep_file(tmp_path, tiny_dataset)
+    assert main(["run", str(path), "--dry-run", "name=other", "tokens.fixed=[5.0e4]",
+                 "families.gpt_rec.overrides.optimizer.lr=5e-3", "train.log_interval=3",
+                 "sizes.w32.n_embd=16", "axes.optimizer.weight_decay=[0.0, 0.1]"]) == 0
+    runs = sweeps.expand(sweeps.load_sweep(path, [
+        "name=other", "tokens.fixed=[5.0e4]", "families.gpt_rec.overrides.optimizer.lr=5e-3",
+        "train.log_interval=3", "sizes.w32.n_embd=16", "axes.optimizer.weight_decay=[0.0, 0.1]"]))
+    assert {r.run_name.split("-")[0] for r in runs} == {"other"}
+    assert {r.max_tokens for r in runs} == {50000}
+    assert {r.config["train"]["log_interval"] for r in runs} == {3}
+    assert {r.config["optimizer"]["lr"] for r in runs if r.group == "gpt_rec"} == {5e-3}
+    assert {r.config["model"]["overrides"]["n_embd"] for r in runs if r.size == "w32"} == {16}
+    assert sorted({r.axes["optimizer.weight_decay"] for r in runs}) == [0.0, 0.1]
+    assert (tmp_path / "out" / "other" / "sweep.json").is_file()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["axes.optimizer.lrr=[1e-3]"], "unknown key optimizer.lrr"),
+    (["axes.train.max_tokens=[1000]"], "train.max_tokens is set by the sweep itself"),
+    (["flops=[1.0e5]"], "flops budget 1e+05 is too small for one optimizer step (512 tokens"),
+    (["slurm.tme=1"], "slurm.tme: unknown key 'tme'"),
+    (["nproc_per_node"], "not of the form key.sub=value"),
+    (["train.lrr=1"], "unknown key train.lrr"),
+])
+def test_bad_budgets_axes_and_overrides_are_one_line_errors(tmp_path, tiny_dataset, args,
+                                                            message, capsys):
+    path = _sweep_file(tmp_path, tiny_dataset)
+    extra = ["tokens={}"] if any(a.startswith("flops") for a in args) else []
+    assert main(["run", str(path), "--dry-run", *extra, *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_help_names_an_existing_sweep(capsys):
+    import re
+    from pathlib import Path
+
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    cited = re.findall(r"configs/scaling/\S+\.yaml", capsys.readouterr().out)
+    assert cited and all(Path(p).is_file() for p in cited)
+
+
+def test_isoflop_experiment_sweep_expands(tiny_dataset, tmp_path):
+    """The shipped IsoFLOP sweep is valid: 4 families x 3 widths x 3 budgets x 2 learning
+    rates, every run at least one optimizer step, its compute C within half a step."""
+    sweep = sweeps.load_sweep("configs/scaling/isoflop.yaml", [
+        f"output_root={tmp_path}", f"data.path={tiny_dataset}", "data.seq_len=32",
+        "data.source=null"])
+    runs = sweeps.expand(sweep)
+    assert len(runs) == 72 and len({r.cell for r in runs}) == 36
+    assert {r.group for r in runs} == {"gpt", "nrgpt", "ebt", "transformer_pp"}
+    for run in runs:
+        step_flops = run.flops_per_token * 4 * 32
+        assert run.max_tokens >= 4 * 32
+        assert abs(run.max_tokens * run.flops_per_token - run.flops_budget) <= step_flops / 2
+    # An EBT token costs several GPT tokens at the same width (the descent and its backward).
+    fpt = {(r.group, r.size): r.flops_per_token for r in runs}
+    assert 3 < fpt[("ebt", "w32")] / fpt[("transformer_pp", "w32")] < 6

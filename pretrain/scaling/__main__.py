@@ -4,20 +4,30 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from pathlib import Path
 
 from pretrain.scaling import launch, report
 from pretrain.scaling.experiments import EXPERIMENTS
 from pretrain.scaling.registry import load_registry
 from pretrain.scaling.sweep import load_sweep
 
+OVERRIDES_HELP = ("key.sub=value overrides of the sweep: a sweep key (e.g. flops=[1.0e11,3.0e11], "
+                  "slurm.time=4:00:00) or a trainer key for every run (e.g. "
+                  "train.global_batch_size=16)")
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str):
+        # One line, like every other bad-input error (argparse would print the usage first).
+        self.exit(2, f"error: {message} (see --help)\n")
+
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pretrain.scaling", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _ArgumentParser(prog="python -m pretrain.scaling", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_ArgumentParser)
 
-    p_run = sub.add_parser("run", help="run a sweep's unfinished runs one after another")
-    p_run.add_argument("sweep", help="sweep YAML, e.g. configs/scaling/tiny.yaml")
+    p_run = sub.add_parser("run", help="run a sweep's unfinished runs (or write a Slurm job array)")
+    p_run.add_argument("sweep", help="sweep YAML, e.g. configs/scaling/shakespeare_char.yaml")
+    p_run.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
     p_run.add_argument("--slurm", action="store_true",
                        help="write a Slurm job array for the unfinished runs instead of running")
     p_run.add_argument("--dry-run", action="store_true", help="write configs, print the plan")
@@ -27,19 +37,34 @@ def main(argv: list[str] | None = None) -> int:
 
     p_fit = sub.add_parser("fit", help="fit scaling laws over finished runs")
     p_fit.add_argument("dirs", nargs="+", help="run directories or directories holding runs")
-    p_fit.add_argument("--out", default="checkpoints/scaling/fit",
-                       help="output directory (fits.md, fits.csv, scaling.png, tb/)")
-    p_fit.add_argument("--metric", default="best_val_loss", choices=report.METRICS)
-    p_fit.add_argument("--baseline", default="gpt",
-                       help="group whose log-log slope the others are compared to")
+    p_fit.add_argument("--out", default=None,
+                       help="output directory (fits.md, fits.csv, *.png, tb/); default DIR/fit "
+                            "for one sweep directory DIR, else checkpoints/scaling/fit")
+    p_fit.add_argument("--metric", default="best_val_loss",
+                       help="what the laws fit: best_val_loss, final_val_loss, final_train_loss "
+                            "or any numeric key of summary.json (dotted for nested keys)")
+    p_fit.add_argument("--higher-is-better", action="store_true",
+                       help="the metric is an accuracy-like score in (0, 1): fit 1 - metric")
+    p_fit.add_argument("--baseline", default="auto",
+                       help="group every other group is compared to; auto: gpt for gpt_rec and "
+                            "nrgpt, transformer_pp for ebt (by the runs' model family)")
+    p_fit.add_argument("--params", default="non_embedding", choices=report.PARAM_COUNTS,
+                       help="the N of the laws: non-embedding or all parameters")
     p_fit.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples")
     p_fit.add_argument("--seed", type=int, default=0, help="bootstrap seed")
 
     p_exp = sub.add_parser("experiment", help="train and evaluate one of the papers' small "
                                               "experiments (see pretrain/scaling/experiments)")
     p_exp.add_argument("name", choices=EXPERIMENTS)
+    p_exp.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
 
-    args = parser.parse_args(argv)
+    # Overrides may come before or after the options (argparse takes positionals in one run).
+    args, rest = parser.parse_known_args(argv)
+    unknown = [a for a in rest if a.startswith("-") or not hasattr(args, "overrides")]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if rest:
+        args.overrides = args.overrides + rest
     try:
         command = {"run": _run, "list": _list, "fit": _fit, "experiment": _experiment}
         return command[args.command](args)
@@ -49,8 +74,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args) -> int:
-    sweep = load_sweep(args.sweep)
-    planned = launch.plan(sweep)
+    sweep = load_sweep(args.sweep, args.overrides)
+    # A local launch prepares what the configs can prepare; a job array needs every dataset
+    # in place (one preparation, not one per task); a dry run only looks.
+    datasets = "peek" if args.dry_run else "check" if args.slurm else "prepare"
+    planned = launch.plan(sweep, datasets)
     if args.slurm:
         script = launch.write_slurm_array(sweep, [p for _, p in launch.unfinished(sweep, planned)])
         print(f"job array written; submit with: bash {script}" if script else "nothing to submit")
@@ -63,53 +91,20 @@ def _run(args) -> int:
     return rc
 
 
-def _print_registry(registry) -> None:
-    print(f"{'run':<48} {'group':<14} {'N':>11} {'tokens':>12} {'FLOPs':>10} "
-          f"{'train':>7} {'best val':>8}")
-    for run_dir, r in registry.records:
-        best = f"{r.best_val_loss:8.4f}" if r.best_val_loss is not None else f"{'-':>8}"
-        print(f"{r.run_name:<48} {registry.group_of(run_dir, r):<14} "
-              f"{r.non_embedding_params:>11,d} {r.tokens_seen:>12,d} {r.train_flops:>10.3g} "
-              f"{r.final_train_loss:>7.4f} {best}")
-    for line in registry.problems():
-        print(line)
-
-
 def _list(args) -> int:
-    _print_registry(load_registry(args.dirs))
+    report.print_registry(load_registry(args.dirs))
     return 0
 
 
 def _fit(args) -> int:
-    registry = load_registry(args.dirs)
-    _print_registry(registry)
-    if not registry.records:
-        raise ValueError(f"no finished runs (summary.json) under {' '.join(args.dirs)}")
-    groups, skipped = report.collect_points(registry, args.metric)
-    for line in skipped:
-        print(line)
-    if not groups:
-        raise ValueError(f"no run has a usable {args.metric}")
-    fits = report.fit_groups(groups, baseline=args.baseline, n_bootstrap=args.bootstrap,
-                             seed=args.seed)
-    for fit in fits:
-        for note in fit.notes:
-            print(f"{fit.group} L({fit.law.symbol}): {note}")
-    if args.baseline not in groups:
-        print(f"baseline group {args.baseline!r} not among the runs: no slope comparison")
-    header = (f"Scaling fits over {len(registry.records)} runs ({args.metric}); "
-              f"{len(registry.missing) + len(registry.invalid)} listed run(s) skipped.\n\n")
-    report.write_outputs(Path(args.out), groups, fits, args.baseline, header)
-    print()
-    print(report.to_markdown(fits, args.baseline))
-    print(f"wrote {args.out}/fits.md, fits.csv, scaling.png; "
-          f"tensorboard --logdir {args.out}/tb")
-    return 0
+    return report.fit_command(report.FitOptions(
+        dirs=args.dirs, out=args.out, metric=args.metric, higher_is_better=args.higher_is_better,
+        baseline=args.baseline, params=args.params, n_bootstrap=args.bootstrap, seed=args.seed))
 
 
 def _experiment(args) -> int:
     module = importlib.import_module(f"pretrain.scaling.experiments.{args.name}")
-    return module.main()
+    return module.main(args.overrides)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ Confidence intervals come from resampling runs with replacement (a case bootstra
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -76,7 +77,7 @@ def fit_power_law(x, y, *, irreducible: bool = True, n_bootstrap: int = 1000,
     law = PowerLaw(E=E, A=a * x_ref**alpha, alpha=alpha)
 
     names = ("E", "A", "alpha")
-    if len(x) <= MIN_POINTS:  # every valid resample would be the data itself
+    if len(x) <= MIN_POINTS or n_bootstrap == 0:  # (every valid resample would be the data)
         nan = (float("nan"), float("nan"))
         return FitResult(law, len(x), {k: nan for k in names}, ci_level, np.empty(0),
                          _at_bound(alpha))
@@ -149,3 +150,63 @@ def rate_difference(fit: FitResult, baseline: FitResult,
     tail = 100 * (1 - ci_level) / 2
     lo, hi = np.percentile(ratios, [tail, 100 - tail])
     return value, (float(lo), float(hi))
+
+
+@dataclass(frozen=True)
+class IsoFlopFit:
+    """Loss against log N at one compute budget: L = curvature (ln N - ln N*)^2 + L*
+    (Chinchilla's approach 2)."""
+
+    budget: float
+    """The compute budget C of the runs."""
+    coef: tuple[float, float, float]
+    """(a, b, c) of L = a x^2 + b x + c with x = ln N."""
+    n_opt: float
+    """N* at the parabola's minimum; NaN when the parabola has none (a <= 0)."""
+    loss_opt: float
+    """L at N* (NaN without a minimum)."""
+    inside: bool
+    """N* lies within the fitted sizes (an optimum outside them is an extrapolation)."""
+    n_points: int
+    """Runs fitted."""
+
+    def __call__(self, n) -> np.ndarray:
+        return np.polyval(self.coef, np.log(np.asarray(n, dtype=float)))
+
+
+def fit_isoflop(n, loss, budget: float) -> IsoFlopFit:
+    """Least-squares parabola of the loss in ln N through the runs of one compute budget."""
+    n = np.asarray(n, dtype=float)
+    loss = np.asarray(loss, dtype=float)
+    distinct = len(np.unique(n))
+    if distinct < MIN_POINTS:
+        raise TooFewPoints(f"{distinct} distinct size(s) at C={budget:.3g}, need at least "
+                           f"{MIN_POINTS}")
+    a, b, c = (float(v) for v in np.polyfit(np.log(n), loss, 2))
+    if a <= 0:
+        return IsoFlopFit(budget, (a, b, c), math.nan, math.nan, False, len(n))
+    x_opt = -b / (2 * a)
+    n_opt = math.exp(x_opt)
+    return IsoFlopFit(budget, (a, b, c), n_opt, c - b * b / (4 * a),
+                      bool(n.min() <= n_opt <= n.max()), len(n))
+
+
+@dataclass(frozen=True)
+class PowerFit:
+    """y = scale * x**exponent, fitted by least squares in log-log."""
+
+    scale: float
+    exponent: float
+    n_points: int
+
+    def __call__(self, x) -> np.ndarray:
+        return self.scale * np.asarray(x, dtype=float) ** self.exponent
+
+
+def fit_power(x, y) -> PowerFit:
+    """Straight line through (ln x, ln y); two distinct x at least."""
+    x, y = np.log(np.asarray(x, dtype=float)), np.log(np.asarray(y, dtype=float))
+    if len(np.unique(x)) < 2:
+        raise TooFewPoints(f"{len(np.unique(x))} distinct point(s), need at least 2")
+    slope, intercept = np.polyfit(x, y, 1)
+    return PowerFit(float(np.exp(intercept)), float(slope), len(x))

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pretrain.scaling.sweep import RunSpec, Sweep, expand, is_finished, write_run_configs
@@ -18,18 +20,19 @@ REQUEUE_EXIT_CODE = 75
 """The trainer's exit code after a preemption signal: the run saved a checkpoint to resume from."""
 
 
-def plan(sweep: Sweep) -> list[tuple[RunSpec, Path]]:
-    """Expand the sweep, write every run's config and print the plan; return (run, config
-    path) for every run, finished or not."""
-    runs = expand(sweep)
+def plan(sweep: Sweep, datasets: str = "peek") -> list[tuple[RunSpec, Path]]:
+    """Expand the sweep (`datasets`: see `sweep.DATASETS`), write every run's config and print
+    the plan; return (run, config path) for every run, finished or not."""
+    runs = expand(sweep, datasets)
     planned = list(zip(runs, write_run_configs(sweep, runs)))
     n_done = sum(is_finished(sweep, r) for r in runs)
     print(f"sweep {sweep.name}: {len(runs)} runs, {n_done} finished, {len(runs) - n_done} to "
           f"run; configs in {sweep.directory / 'configs'}")
     for run in runs:
         state = "done" if is_finished(sweep, run) else "todo"
+        compute = f" C={run.flops_per_token * run.max_tokens:.3g}" if run.flops_per_token else ""
         print(f"  {state}  {run.run_name:<48} N={run.non_embedding_params:<10,d} "
-              f"tokens={run.max_tokens:,d}")
+              f"tokens={run.max_tokens:,d}{compute}")
     return planned
 
 
@@ -38,16 +41,27 @@ def unfinished(sweep: Sweep, planned: list[tuple[RunSpec, Path]]) -> list[tuple[
 
 
 def run_locally(sweep: Sweep, planned: list[tuple[RunSpec, Path]]) -> int:
-    """Train the unfinished runs in order; returns 0 when all finished, the requeue code when
-    one was interrupted (the rest is left for the next call), 1 when some failed."""
-    failed = []
+    """Train the unfinished runs in order, `parallel_runs` at a time; returns 0 when all
+    finished, the requeue code when one was interrupted (nothing new is started after it),
+    1 when some failed."""
     todo = unfinished(sweep, planned)
-    for i, (run, config_path) in enumerate(todo, 1):
+    interrupted = threading.Event()
+
+    def train(i: int, run: RunSpec, config_path: Path) -> int:
+        if interrupted.is_set():  # an interrupted run stops the sweep: start nothing new
+            return REQUEUE_EXIT_CODE
         rc = train_run(sweep, run, config_path, f"[{i}/{len(todo)}]")
         if rc == REQUEUE_EXIT_CODE:
-            return rc
-        if rc != 0:
-            failed.append(f"{run.run_name} (exit code {rc})")
+            interrupted.set()
+        return rc
+
+    with ThreadPoolExecutor(sweep.parallel_runs) as pool:
+        futures = [(run, pool.submit(train, i, run, path))
+                   for i, (run, path) in enumerate(todo, 1)]
+        codes = [(run, future.result()) for run, future in futures]
+    if interrupted.is_set():
+        return REQUEUE_EXIT_CODE
+    failed = [f"{run.run_name} (exit code {rc})" for run, rc in codes if rc != 0]
     if failed:
         print("failed runs (rerun the sweep to resume them):\n  " + "\n  ".join(failed),
               file=sys.stderr)
@@ -62,12 +76,29 @@ def train_run(sweep: Sweep, run: RunSpec, config_path: Path, progress: str = "")
     if sweep.threads_per_process is not None:
         env["OMP_NUM_THREADS"] = str(sweep.threads_per_process)
     resuming = (sweep.directory / run.run_name).exists()
-    print(f"{progress} {'resuming' if resuming else 'starting'} {run.run_name}".lstrip(),
-          flush=True)
-    rc = subprocess.run(_command(sweep, config_path), env=env).returncode
+    log = None
+    if sweep.parallel_runs > 1:  # interleaved output of several runs would be unreadable
+        log = sweep.directory / "logs" / f"{run.run_name}.log"
+        log.parent.mkdir(exist_ok=True)
+    print(f"{progress} {'resuming' if resuming else 'starting'} {run.run_name}".lstrip()
+          + (f" (output: {log})" if log else ""), flush=True)
+    if log is None:
+        rc = subprocess.run(_command(sweep, config_path), env=env).returncode
+    else:
+        with log.open("a") as out:
+            rc = subprocess.run(_command(sweep, config_path), env=env, stdout=out,
+                                stderr=subprocess.STDOUT).returncode
+        if rc not in (0, REQUEUE_EXIT_CODE):
+            print(f"{run.run_name} failed (exit code {rc}); last line of {log}: "
+                  f"{_last_line(log)}", flush=True)
     if rc == REQUEUE_EXIT_CODE:
         print(f"{run.run_name} was interrupted and checkpointed; rerun the sweep to resume it")
     return rc or int(not is_finished(sweep, run))
+
+
+def _last_line(path: Path) -> str:
+    lines = path.read_text(errors="replace").strip().splitlines()
+    return lines[-1] if lines else "(empty)"
 
 
 def _command(sweep: Sweep, config_path: Path) -> list[str]:

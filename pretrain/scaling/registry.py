@@ -28,12 +28,13 @@ class Registry:
     """Run directories without summary.json (unfinished, crashed or still running)."""
     invalid: list[tuple[Path, str]]
     """Run directories whose summary.json could not be read, with the reason."""
-    groups: dict[Path, str] = field(default_factory=dict)
-    """Run directory -> the sweep's group label, for runs that a sweep launched."""
+    cells: dict[Path, dict[str, Any]] = field(default_factory=dict)
+    """Run directory -> its entry in the sweep's `sweep.json` (group, size, budget, cell, axis
+    values, compute budget), for runs that a sweep launched."""
 
     def group_of(self, run_dir: Path, record: RunRecord) -> str:
         """The label runs are compared under: the sweep's family label, else the model family."""
-        return self.groups.get(run_dir, record.family)
+        return self.cells.get(run_dir, {}).get("group", record.family)
 
     def problems(self) -> list[str]:
         """One line per run that is listed but skipped."""
@@ -77,7 +78,7 @@ def load_registry(paths: list[str | Path]) -> Registry:
             sweep_cells[run_dir.parent] = _sweep_cells(run_dir.parent)
         sweep_cell = sweep_cells[run_dir.parent].get(run_dir.name)
         if sweep_cell is not None:
-            registry.groups[run_dir] = sweep_cell["group"]
+            registry.cells[run_dir] = sweep_cell
     return registry
 
 

@@ -1,13 +1,16 @@
-"""Fit scaling laws per group of runs and write the table (Markdown, CSV), the log-log figure
-(PNG) and TensorBoard curves.
+"""The fit command: scaling laws over finished runs, written as tables (Markdown, CSV), figures
+(PNG) and TensorBoard.
 
-Which runs enter which law (runs whose x values agree within ~2% count as one point):
-- L(N), N = non-embedding parameters: per model size, the run with the most training tokens
-  (the one closest to convergence).
-- L(D), D = training tokens: per token budget, the largest model; fitted only when a group
-  has at least three budgets, i.e. when the sweep varies data.
-- L(C), C = training FLOPs: the compute frontier, i.e. each run that reaches a lower loss than
-  every run with less compute.
+Runs of a sweep that differ only in axis values (e.g. the learning rate) form a cell; every fit
+uses each cell's best run, and the learning-rate curves show whether that best lies inside the
+axis's grid. Per group, over those best runs:
+- one-variable power laws L = E + A x^-alpha: L(N), N = parameters (per size the run with the
+  most tokens), L(D), D = tokens (per token budget the largest model; only when a group has
+  three or more budgets), L(C), C = training FLOPs (the compute frontier: each run with a lower
+  loss than every run with less compute). Values within ~2% count as one point;
+- at equal compute (`analysis`): IsoFLOP parabolas per compute budget, N*(C) and D*(C), the
+  joint law L(N, D), and against the group's baseline the compute-equivalent gain and the
+  differences of the exponents.
 """
 from __future__ import annotations
 
@@ -16,18 +19,22 @@ import io
 import math
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-import numpy as np
-
+from pretrain.scaling.analysis import (EXPONENTS, Comparison, FamilyAnalysis, Point,
+                                       analyse_family, compare, too_few_message)
 from pretrain.scaling.fit import MIN_POINTS, FitResult, TooFewPoints, fit_power_law, rate_difference
-from pretrain.scaling.registry import Registry
+from pretrain.scaling.joint import percentile_interval
+from pretrain.scaling.registry import Registry, find_run_dirs, load_registry
+from pretrain.summary import RunRecord
 
 METRICS = ("best_val_loss", "final_val_loss", "final_train_loss")
-TB_STEPS_PER_DECADE = 1000
-"""TensorBoard steps are integers: a point at x is logged at step round(1000 * log10 x)."""
+"""RunRecord fields that can be fitted; any numeric key of summary.json can be, too."""
+PARAM_COUNTS = ("non_embedding", "total")
+BASELINE_FAMILY = {"gpt_rec": "gpt", "nrgpt": "gpt", "ebt": "transformer_pp"}
+"""The papers' comparisons: NRGPT and GPT_Rec against GPT, EBT against Transformer++."""
 
 
 @dataclass(frozen=True)
@@ -36,25 +43,15 @@ class Law:
     """N, D or C."""
     name: str
     """Word used in tags and file names."""
-    record_field: str
-    """RunRecord field holding x."""
     label: str
     """Axis label."""
 
 
 LAWS = (
-    Law("N", "params", "non_embedding_params", "non-embedding parameters N"),
-    Law("C", "flops", "train_flops", "training FLOPs C"),
-    Law("D", "tokens", "tokens_seen", "training tokens D"),
+    Law("N", "params", "parameters N"),
+    Law("C", "flops", "training FLOPs C"),
+    Law("D", "tokens", "training tokens D"),
 )
-
-
-@dataclass(frozen=True)
-class Point:
-    run_name: str
-    x: dict[str, float]
-    """Law symbol -> x value of this run."""
-    loss: float
 
 
 @dataclass
@@ -74,25 +71,103 @@ class LawFit:
     notes: list[str] = field(default_factory=list)
 
 
-def collect_points(registry: Registry, metric: str) -> tuple[dict[str, list[Point]], list[str]]:
-    """Group -> points of every usable run, and one line per run skipped for lack of `metric`."""
-    if metric not in METRICS:
-        raise ValueError(f"unknown metric {metric!r}; choose one of {', '.join(METRICS)}")
+@dataclass(frozen=True)
+class AxisCurve:
+    """The metric against one axis (e.g. the learning rate) within one sweep cell."""
+
+    group: str
+    cell: str
+    key: str
+    """The axis, e.g. `optimizer.lr`."""
+    values: list[tuple[Any, float]]
+    """(axis value, metric) of the cell's runs, by axis value."""
+    grid: list[Any]
+    """Every value of the axis in the group (the grid the best is judged against)."""
+
+    @property
+    def best(self) -> Any:
+        return min(self.values, key=lambda v: v[1])[0]
+
+    @property
+    def at_edge(self) -> bool:
+        """The best value is the smallest or largest of the grid: the optimum may lie beyond."""
+        return len(self.grid) > 1 and self.best in (self.grid[0], self.grid[-1])
+
+
+# ----------------------------------------------------------------------------- points
+
+def metric_value(record: RunRecord, metric: str) -> float | None:
+    """The metric of a run: a RunRecord field, or a (dotted) key of summary.json's extra keys;
+    None when the run does not have it as a number."""
+    if metric in METRICS:
+        return getattr(record, metric)
+    value: Any = record.extra
+    for part in metric.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return None
+        value = value[part]
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) \
+        else None
+
+
+def collect_points(registry: Registry, metric: str, *, higher_is_better: bool = False,
+                   params: str = "non_embedding") -> tuple[dict[str, list[Point]], list[str]]:
+    """Group -> points of every usable run, and one line per run skipped (and why). With
+    `higher_is_better` the point's loss is 1 - metric (an error rate)."""
+    if params not in PARAM_COUNTS:
+        raise ValueError(f"unknown parameter count {params!r}; choose {' or '.join(PARAM_COUNTS)}")
     groups: dict[str, list[Point]] = {}
     skipped = []
     for run_dir, record in registry.records:
-        loss = getattr(record, metric)
-        if loss is None or not math.isfinite(loss):
+        value = metric_value(record, metric)
+        if value is None or not math.isfinite(value):
             skipped.append(f"no finite {metric} in {run_dir}, skipped")
             continue
-        x = {law.symbol: float(getattr(record, law.record_field)) for law in LAWS}
-        if min(x.values()) <= 0:
-            skipped.append(f"non-positive params/tokens/FLOPs in {run_dir}, skipped")
+        if higher_is_better:
+            if not 0 < value < 1:
+                skipped.append(f"{metric}={value} in {run_dir} is not in (0, 1), skipped")
+                continue
+            value = 1.0 - value
+        n = record.non_embedding_params if params == "non_embedding" else record.params
+        x = {"N": float(n), "D": float(record.tokens_seen), "C": float(record.train_flops)}
+        if min(x.values()) <= 0 or value <= 0:
+            skipped.append(f"non-positive params/tokens/FLOPs/{metric} in {run_dir}, skipped")
             continue
-        groups.setdefault(registry.group_of(run_dir, record), []).append(
-            Point(record.run_name, x, loss))
+        cell = registry.cells.get(run_dir, {})
+        flops_per_token = record.extra.get("flops_per_token", x["C"] / x["D"])
+        groups.setdefault(registry.group_of(run_dir, record), []).append(Point(
+            record.run_name, x, value, cell.get("cell", record.run_name),
+            cell.get("flops_budget"), cell.get("axes", {}), float(flops_per_token)))
     return groups, skipped
 
+
+def best_of_cells(points: list[Point]) -> list[Point]:
+    """Each cell's run with the lowest loss, in the order of the cells' first runs."""
+    best: dict[str, Point] = {}
+    for p in points:
+        if p.cell not in best or p.loss < best[p.cell].loss:
+            best[p.cell] = p
+    return list(best.values())
+
+
+def axis_curves(groups: dict[str, list[Point]]) -> list[AxisCurve]:
+    """For every group, cell and axis: the metric against that axis's values, the other axes
+    held at the cell's best run's values."""
+    curves = []
+    for group, points in sorted(groups.items()):
+        keys = sorted({k for p in points for k in p.axes})
+        for key in keys:
+            grid = sorted({p.axes[key] for p in points if key in p.axes})
+            for cell_best in best_of_cells(points):
+                others = {k: v for k, v in cell_best.axes.items() if k != key}
+                values = sorted((p.axes[key], p.loss) for p in points if p.cell == cell_best.cell
+                                and {k: v for k, v in p.axes.items() if k != key} == others)
+                if len(values) > 1:
+                    curves.append(AxisCurve(group, cell_best.cell, key, values, grid))
+    return curves
+
+
+# ----------------------------------------------------------------------------- 1-d laws
 
 def _key(value: float) -> float:
     return round(math.log10(value), 2)
@@ -117,9 +192,9 @@ def select_points(points: list[Point], law: Law) -> list[Point]:
     return sorted(chosen.values(), key=lambda p: p.x[law.symbol])
 
 
-def fit_groups(groups: dict[str, list[Point]], *, baseline: str = "gpt", n_bootstrap: int = 1000,
-               seed: int = 0) -> list[LawFit]:
-    """Every law for every group, then each group's rate relative to `baseline`."""
+def fit_groups(groups: dict[str, list[Point]], *, baselines: dict[str, str],
+               n_bootstrap: int = 1000, seed: int = 0) -> list[LawFit]:
+    """Every law for every group, then each group's rate relative to its baseline."""
     fits: list[LawFit] = []
     for group_index, group in enumerate(sorted(groups)):
         # Each group gets its own resampling stream, so the slope comparison pairs
@@ -145,11 +220,81 @@ def fit_groups(groups: dict[str, list[Point]], *, baseline: str = "gpt", n_boots
                 fit.notes.append("exponent at the search bound: the data do not pin it")
             if fit.full.n_points == MIN_POINTS:
                 fit.notes.append("3 points: no bootstrap interval (E free: exact fit)")
-    base = {f.law.symbol: f for f in fits if f.group == baseline and f.loglog is not None}
+    fitted = {(f.group, f.law.symbol): f for f in fits if f.loglog is not None}
     for fit in fits:
-        if fit.loglog is not None and fit.law.symbol in base:
-            fit.rate = rate_difference(fit.loglog, base[fit.law.symbol].loglog)
+        base = fitted.get((baselines.get(fit.group), fit.law.symbol))
+        if fit.loglog is not None and base is not None:
+            fit.rate = rate_difference(fit.loglog, base.loglog)
     return fits
+
+
+# ----------------------------------------------------------------------------- analysis
+
+def resolve_baselines(groups: dict[str, list[Point]], families: dict[str, str],
+                      baseline: str) -> tuple[dict[str, str], list[str]]:
+    """Group -> the group it is compared to, and notes. `baseline` "auto": by the runs' model
+    family (BASELINE_FAMILY; a baseline family's group is its own baseline), else one group
+    for all."""
+    if baseline != "auto":
+        if baseline not in groups:
+            return {}, [f"baseline group {baseline!r} not among the runs: no comparison"]
+        return {g: baseline for g in groups}, []
+    by_family: dict[str, str] = {}
+    for group in sorted(groups):  # a group named like its family wins over other labels
+        if group == families[group] or families[group] not in by_family:
+            by_family[families[group]] = group
+    resolved, notes = {}, []
+    for group in sorted(groups):
+        wanted = BASELINE_FAMILY.get(families[group], families[group])
+        if wanted in by_family:
+            resolved[group] = by_family[wanted]
+        else:
+            notes.append(f"{group}: no {wanted} runs to compare with")
+    return resolved, notes
+
+
+@dataclass
+class Analysis:
+    """Everything the fit command computed."""
+
+    metric: str
+    groups: dict[str, list[Point]]
+    """Every usable run, by group."""
+    cells: dict[str, list[Point]]
+    """Each cell's best run, by group: what the laws are fitted to."""
+    laws: list[LawFit]
+    curves: list[AxisCurve]
+    families: dict[str, FamilyAnalysis]
+    baselines: dict[str, str]
+    comparisons: list[Comparison]
+    notes: list[str]
+
+
+def analyse(registry: Registry, options: FitOptions) -> Analysis:
+    """Collect, fit and compare; a ValueError (one line) when nothing can be fitted."""
+    if not registry.records:
+        raise ValueError(f"no finished runs (summary.json) under {' '.join(options.dirs)}")
+    groups, notes = collect_points(registry, options.metric,
+                                   higher_is_better=options.higher_is_better,
+                                   params=options.params)
+    if not groups:
+        raise ValueError(f"no run has a usable {options.metric}")
+    families = {registry.group_of(d, r): r.family for d, r in registry.records}
+    baselines, baseline_notes = resolve_baselines(groups, families, options.baseline)
+    cells = {g: best_of_cells(points) for g, points in groups.items()}
+    laws = fit_groups(cells, baselines=baselines, n_bootstrap=options.n_bootstrap,
+                      seed=options.seed)
+    analyses = {}
+    for index, group in enumerate(sorted(cells)):
+        analyses[group] = analyse_family(group, cells[group], n_bootstrap=options.n_bootstrap,
+                                          seed=options.seed + 1000 * index + 1)
+    message = too_few_message(list(analyses.values()), any(f.full for f in laws))
+    if message:
+        raise ValueError(message)
+    comparisons = [compare(analyses[g], analyses[b]) for g, b in sorted(baselines.items())
+                   if g != b and analyses[g].joint and analyses[b].joint]
+    return Analysis(options.metric, groups, cells, laws, axis_curves(groups), analyses,
+                    baselines, comparisons, notes + baseline_notes)
 
 
 # ----------------------------------------------------------------------------- tables
@@ -177,18 +322,61 @@ def table_rows(fits: list[LawFit]) -> list[dict[str, object]]:
     return rows
 
 
-def to_csv(fits: list[LawFit]) -> str:
+def joint_rows(analysis: Analysis) -> list[dict[str, object]]:
+    """One row per family with a joint law: parameters, intervals and the allocation."""
+    rows = []
+    for group, family in sorted(analysis.families.items()):
+        if family.joint is None:
+            continue
+        fit = family.joint
+        row: dict[str, object] = {"group": group, "runs": fit.n_points}
+        for name in ("E", "A", "alpha", "B", "beta"):
+            row[name] = getattr(fit.law, name)
+            row[f"{name}_lo"], row[f"{name}_hi"] = fit.ci(name)
+        row["flops_per_token_exponent"] = family.flops.exponent
+        a, b = family.allocation_exponents()
+        samples = [family.allocation_exponents(law) for law in fit.samples]
+        row["n_opt_exponent"], row["d_opt_exponent"] = a, b
+        for i, name in enumerate(("n_opt_exponent", "d_opt_exponent")):
+            row[f"{name}_lo"], row[f"{name}_hi"] = percentile_interval(
+                [s[i] for s in samples], fit.ci_level)
+        rows.append(row)
+    return rows
+
+
+def isoflop_rows(analysis: Analysis) -> list[dict[str, object]]:
+    rows = []
+    for group, family in sorted(analysis.families.items()):
+        for fit in family.isoflop:
+            d_opt = fit.budget / float(family.flops(fit.n_opt)) if fit.inside else math.nan
+            rows.append({"group": group, "budget": fit.budget, "runs": fit.n_points,
+                         "n_opt": fit.n_opt, "d_opt": d_opt, "loss_opt": fit.loss_opt,
+                         "inside": fit.inside, "curvature": fit.coef[0]})
+    return rows
+
+
+def gain_rows(analysis: Analysis) -> list[dict[str, object]]:
+    rows = []
+    for comp in analysis.comparisons:
+        for c, g, lo, hi in zip(comp.budgets, comp.gain, *comp.gain_ci):
+            rows.append({"group": comp.group, "baseline": comp.baseline, "budget": float(c),
+                         "gain": float(g), "gain_lo": float(lo), "gain_hi": float(hi)})
+    return rows
+
+
+def to_csv(rows: list[dict[str, object]], columns: list[str] | None = None) -> str:
     buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, CSV_COLUMNS, restval="", lineterminator="\n")
+    writer = csv.DictWriter(buffer, columns or (list(rows[0]) if rows else []), restval="",
+                            lineterminator="\n")
     writer.writeheader()
-    writer.writerows(table_rows(fits))
+    writer.writerows(rows)
     return buffer.getvalue()
 
 
 def _fmt(row: dict[str, object], name: str, percent: bool = False) -> str:
     """`value [lo, hi]`, the interval left out when it is NaN; `-` when there is no value."""
     value = row.get(name, "")
-    if value == "":
+    if value == "" or (isinstance(value, float) and math.isnan(value)):
         return "-"
     scale, spec = (100.0, "+.1f") if percent else (1.0, ".4g")
     text = f"{value * scale:{spec}}" + ("%" if percent else "")
@@ -199,125 +387,137 @@ def _fmt(row: dict[str, object], name: str, percent: bool = False) -> str:
     return text
 
 
-def to_markdown(fits: list[LawFit], baseline: str, ci_level: float = 0.95) -> str:
-    lines = [f"| group | law | points | E | A | alpha | log-log slope | slope vs {baseline} "
-             "| notes |", "|" + "---|" * 9]
-    for row in table_rows(fits):
-        is_base = row["group"] == baseline and "slope" in row
-        rate = "baseline" if is_base else _fmt(row, "slope_vs_baseline", True)
-        lines.append(f"| {row['group']} | {row['law']} | {row['points']} | {_fmt(row, 'E')} | "
-                     f"{_fmt(row, 'A')} | {_fmt(row, 'alpha')} | {_fmt(row, 'slope')} | "
-                     f"{rate} | {row['notes']} |")
-    lines.append("")
-    lines.append(f"Brackets: {ci_level:.0%} bootstrap intervals (runs resampled with replacement). "
-                 "L = E + A x^-alpha; the log-log slope is the exponent of L = A x^-slope; "
-                 f"slope vs {baseline} = (slope - slope_{baseline}) / slope_{baseline}.")
-    return "\n".join(lines) + "\n"
+def to_markdown(analysis: Analysis, ci_level: float = 0.95) -> str:
+    """Every table of the analysis, with a line saying what each holds."""
+    out = []
+    if analysis.curves:
+        out.append("### Axes (e.g. learning rate) within each cell\n")
+        out.append("| group | cell | axis | values: metric | best | on the grid's edge |")
+        out.append("|---|---|---|---|---|---|")
+        for c in analysis.curves:
+            values = ", ".join(f"{v:g}: {m:.4f}" if isinstance(v, float) else f"{v}: {m:.4f}"
+                               for v, m in c.values)
+            out.append(f"| {c.group} | {c.cell} | {c.key} | {values} | {c.best} | "
+                       f"{'yes' if c.at_edge else 'no'} |")
+        edge = sum(c.at_edge for c in analysis.curves)
+        out.append(f"\n{edge} of {len(analysis.curves)} cells have their best value on the "
+                   "edge of the grid: there the optimum may lie outside it.\n")
+
+    out.append("### One-variable power laws\n")
+    out.append("| group | law | points | E | A | alpha | log-log slope | slope vs baseline "
+               "| notes |")
+    out.append("|" + "---|" * 9)
+    for row in table_rows(analysis.laws):
+        base = analysis.baselines.get(row["group"])
+        rate = "baseline" if base == row["group"] and "slope" in row else \
+            _fmt(row, "slope_vs_baseline", True) + (f" ({base})" if "slope_vs_baseline" in row
+                                                     else "")
+        out.append(f"| {row['group']} | {row['law']} | {row['points']} | {_fmt(row, 'E')} | "
+                   f"{_fmt(row, 'A')} | {_fmt(row, 'alpha')} | {_fmt(row, 'slope')} | "
+                   f"{rate} | {row['notes']} |")
+    out.append(f"\nL = E + A x^-alpha; the log-log slope is the exponent of L = A x^-slope; "
+               "slope vs baseline = (slope - slope_base) / slope_base.\n")
+
+    rows = isoflop_rows(analysis)
+    if rows:
+        out.append("### IsoFLOP parabolas (approach 2)\n")
+        out.append("| group | C | runs | N* | D* | L* | N* inside the sizes |")
+        out.append("|---|---|---|---|---|---|---|")
+        for r in rows:
+            out.append(f"| {r['group']} | {r['budget']:.3g} | {r['runs']} | {r['n_opt']:.4g} | "
+                       f"{r['d_opt']:.4g} | {r['loss_opt']:.4f} | "
+                       f"{'yes' if r['inside'] else 'no'} |")
+        fits = [(g, f) for g, f in sorted(analysis.families.items()) if f.n_opt_law]
+        for group, family in fits:
+            out.append(f"\n{group}: N*(C) = {family.n_opt_law.scale:.3g} C^"
+                       f"{family.n_opt_law.exponent:.3f}, D*(C) = {family.d_opt_law.scale:.3g} "
+                       f"C^{family.d_opt_law.exponent:.3f} (through "
+                       f"{family.n_opt_law.n_points} budgets' optima; no interval: one parabola "
+                       "per budget).")
+        out.append("")
+
+    rows = joint_rows(analysis)
+    if rows:
+        out.append("### Joint law L(N, D) = E + A / N^alpha + B / D^beta (approach 3)\n")
+        out.append("| group | runs | E | A | alpha | B | beta | FLOPs/token ~ N^k | "
+                   "N* ~ C^a | D* ~ C^b |")
+        out.append("|" + "---|" * 10)
+        for r in rows:
+            out.append(f"| {r['group']} | {r['runs']} | " + " | ".join(
+                _fmt(r, k) for k in ("E", "A", "alpha", "B", "beta")) +
+                f" | {r['flops_per_token_exponent']:.3f} | {_fmt(r, 'n_opt_exponent')} | "
+                f"{_fmt(r, 'd_opt_exponent')} |")
+        out.append("\nHuber loss on log L, variable projection over (alpha, beta); N* and D* "
+                   "minimise L(N, C / flops_per_token(N)) with each family's own FLOPs per "
+                   "token (a power of N through its runs), exponents over its compute range.\n")
+
+    if analysis.comparisons:
+        out.append("### Compute-equivalent gain against the baseline\n")
+        out.append("| group | baseline | C | gain |")
+        out.append("|---|---|---|---|")
+        for r in gain_rows(analysis):
+            out.append(f"| {r['group']} | {r['baseline']} | {r['budget']:.3g} | "
+                       f"{_fmt(r, 'gain')} |")
+        out.append("\nGain = the compute the baseline needs to reach the family's compute-"
+                   "optimal loss at C, over C (> 1: the family needs less compute); from the "
+                   "joint laws' frontiers; '-' where the baseline does not reach that loss "
+                   "within 1000x the compute.\n")
+        out.append("| group | baseline | exponent | group's value | minus baseline's |")
+        out.append("|---|---|---|---|---|")
+        for comp in analysis.comparisons:
+            for name in EXPONENTS:
+                value, delta, (lo, hi) = comp.exponents[name]
+                interval = "" if math.isnan(lo) else f" [{lo:+.3g}, {hi:+.3g}]"
+                out.append(f"| {comp.group} | {comp.baseline} | {name} | {value:.4g} | "
+                           f"{delta:+.4g}{interval} |")
+        out.append("\nalpha, beta: the joint law's exponents; compute_slope: the mean log-log "
+                   "slope of its frontier L*(C) over both families' compute range (the "
+                   "scaling rate in compute).\n")
+
+    notes = analysis.notes + [f"{g}: {n}" for g, f in sorted(analysis.families.items())
+                              for n in f.notes]
+    if notes:
+        out.append("### Notes\n")
+        out += [f"- {n}" for n in notes]
+        out.append("")
+    out.append(f"Brackets: {ci_level:.0%} bootstrap intervals (runs resampled with replacement; "
+               "paired resamples of two independently resampled families for differences).")
+    return "\n".join(out) + "\n"
 
 
-# ----------------------------------------------------------------------------- plots
+# ----------------------------------------------------------------------------- outputs
 
-def pyplot():
-    """matplotlib.pyplot on the file-only backend (no display needed)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def make_figure(groups: dict[str, list[Point]], fits: list[LawFit]):
-    """Log-log loss against each fitted law's x, every group in one panel per law."""
-    import matplotlib.ticker
-
-    plt = pyplot()
-
-    laws = [law for law in LAWS if any(f.law == law and f.full is not None for f in fits)]
-    laws = laws or [LAWS[0]]
-    fig, axes = plt.subplots(1, len(laws), figsize=(4.2 * len(laws), 3.6), squeeze=False)
-    colors = {g: f"C{i}" for i, g in enumerate(sorted(groups))}
-    for ax, law in zip(axes[0], laws):
-        for group, points in sorted(groups.items()):
-            xs = [p.x[law.symbol] for p in points]
-            ax.scatter(xs, [p.loss for p in points], s=14, color=colors[group], alpha=0.35)
-            fit = next(f for f in fits if f.group == group and f.law == law)
-            label = group if fit.full is None else f"{group}: alpha={fit.full.law.alpha:.3g}"
-            ax.scatter([p.x[law.symbol] for p in fit.points], [p.loss for p in fit.points],
-                       s=22, color=colors[group], label=label)
-            if fit.full is not None:
-                grid = np.geomspace(min(xs), max(xs), 64)
-                ax.plot(grid, fit.full.law(grid), color=colors[group], lw=1.2)
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        for set_formatter in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
-            set_formatter(matplotlib.ticker.FormatStrFormatter("%.3g"))
-        ax.set_xlabel(law.label)
-        ax.set_ylabel("loss")
-        ax.set_title(f"L({law.symbol})")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    return fig
-
-
-def write_tensorboard(tb_dir: Path, fits: list[LawFit], figure, table_md: str) -> None:
-    """Scalars `loss_vs_<law>/<group>` (measured) and `loss_vs_<law>_fit/<group>` (fitted curve)
-    at step round(1000 log10 x), a custom-scalars layout putting every group of one law in one
-    chart, the log-log figure and the table."""
-    from torch.utils.tensorboard import SummaryWriter
-
-    writer = SummaryWriter(str(tb_dir))
-    layout = {}
-    for law in LAWS:
-        law_fits = [f for f in fits if f.law == law and f.points]
-        if not law_fits:
-            continue
-        tags = [rf"loss_vs_{law.name}/.*", rf"loss_vs_{law.name}_fit/.*"]
-        layout[f"loss vs {law.name} (step = {TB_STEPS_PER_DECADE} log10 {law.symbol})"] = [
-            "Multiline", tags]
-        for fit in law_fits:
-            # Ascending steps: TensorBoard drops earlier points when a tag's step goes back.
-            for p in fit.points:
-                writer.add_scalar(f"loss_vs_{law.name}/{fit.group}", p.loss,
-                                  _tb_step(p.x[law.symbol]))
-            if fit.full is not None:
-                xs = [p.x[law.symbol] for p in fit.points]
-                steps = range(_tb_step(min(xs)), _tb_step(max(xs)) + 1, TB_STEPS_PER_DECADE // 50)
-                for step in steps:
-                    x = 10 ** (step / TB_STEPS_PER_DECADE)
-                    writer.add_scalar(f"loss_vs_{law.name}_fit/{fit.group}",
-                                      float(fit.full.law(x)), step)
-    writer.add_custom_scalars({"scaling laws": layout})
-    writer.add_figure("scaling/loglog", figure, close=False)
-    writer.add_text("scaling/fits", table_md)
-    writer.close()
-
-
-def _tb_step(x: float) -> int:
-    return round(TB_STEPS_PER_DECADE * math.log10(x))
-
-
-def write_outputs(out_dir: Path, groups: dict[str, list[Point]], fits: list[LawFit],
-                  baseline: str, header: str = "") -> None:
-    """Write fits.md, fits.csv, scaling.png and tb/ into `out_dir`, replacing a previous
+def write_outputs(out_dir: Path, analysis: Analysis, header: str = "") -> None:
+    """Write fits.md, the CSV tables, the figures and tb/ into `out_dir`, replacing a previous
     output only once everything is written."""
-    plt = pyplot()
+    from pretrain.scaling import plots
+
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    table_md = to_markdown(fits, baseline)
-    figure = make_figure(groups, fits)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    table_md = to_markdown(analysis)
+    figures = plots.make_figures(analysis)
+    # Built next to the target and renamed into place; created with the usual mode (umask)
+    # like every other directory the project writes.
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
     try:
         (tmp / "fits.md").write_text(header + table_md)
-        (tmp / "fits.csv").write_text(to_csv(fits))
-        figure.savefig(tmp / "scaling.png", dpi=90)
-        write_tensorboard(tmp / "tb", fits, figure, table_md)
+        (tmp / "fits.csv").write_text(to_csv(table_rows(analysis.laws), CSV_COLUMNS))
+        for name, rows in (("isoflop", isoflop_rows(analysis)), ("joint", joint_rows(analysis)),
+                           ("gains", gain_rows(analysis))):
+            if rows:
+                (tmp / f"{name}.csv").write_text(to_csv(rows))
+        images = {}
+        for name, figure in figures.items():
+            images[name] = tmp / f"{name}.png"
+            figure.savefig(images[name], dpi=90)
+        plots.write_tensorboard(tmp / "tb", analysis, images, table_md)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
-        plt.close(figure)
+        plots.close(figures)
     if out_dir.exists():
         old = out_dir.with_name(f".{out_dir.name}.old")
         shutil.rmtree(old, ignore_errors=True)
@@ -326,3 +526,75 @@ def write_outputs(out_dir: Path, groups: dict[str, list[Point]], fits: list[LawF
         shutil.rmtree(old)
     else:
         os.replace(tmp, out_dir)
+
+
+# ----------------------------------------------------------------------------- the command
+
+@dataclass
+class FitOptions:
+    """What `python -m pretrain.scaling fit` was asked."""
+
+    dirs: list[str]
+    """Run directories or directories holding runs."""
+    out: str | None = None
+    """Output directory; None: DIR/fit for one directory DIR of runs, else
+    checkpoints/scaling/fit."""
+    metric: str = "best_val_loss"
+    """RunRecord field or (dotted) key of summary.json that the laws fit."""
+    higher_is_better: bool = False
+    """The metric is a score in (0, 1) such as an accuracy: the laws fit 1 - metric."""
+    baseline: str = "auto"
+    """Group all others are compared to, or "auto" (see `resolve_baselines`)."""
+    params: str = "non_embedding"
+    """The N of the laws: "non_embedding" or "total" parameters."""
+    n_bootstrap: int = 500
+    """Bootstrap resamples of every interval."""
+    seed: int = 0
+    """Seed of the bootstrap."""
+
+
+def print_registry(registry: Registry) -> None:
+    print(f"{'run':<48} {'group':<14} {'N':>11} {'tokens':>12} {'FLOPs':>10} "
+          f"{'train':>7} {'best val':>8}")
+    for run_dir, r in registry.records:
+        best = f"{r.best_val_loss:8.4f}" if r.best_val_loss is not None else f"{'-':>8}"
+        print(f"{r.run_name:<48} {registry.group_of(run_dir, r):<14} "
+              f"{r.non_embedding_params:>11,d} {r.tokens_seen:>12,d} {r.train_flops:>10.3g} "
+              f"{r.final_train_loss:>7.4f} {best}")
+    for line in registry.problems():
+        print(line)
+
+
+def default_out(dirs: list[str]) -> Path:
+    """DIR/fit for one directory holding runs (a sweep's), else checkpoints/scaling/fit."""
+    if len(dirs) == 1 and find_run_dirs(Path(dirs[0])) != [Path(dirs[0])]:
+        return Path(dirs[0]) / "fit"
+    return Path("checkpoints/scaling/fit")
+
+
+def fit_command(options: FitOptions) -> int:
+    """Fit, print the tables and write the outputs; bad input is a ValueError, with nothing
+    written."""
+    if options.n_bootstrap < 0:
+        raise ValueError("--bootstrap must be >= 0")
+    registry = load_registry(options.dirs)
+    print_registry(registry)
+    analysis = analyse(registry, options)
+    for line in analysis.notes:
+        print(line)
+    for fit in analysis.laws:
+        for note in fit.notes:
+            print(f"{fit.group} L({fit.law.symbol}): {note}")
+    for group, family in sorted(analysis.families.items()):
+        for note in family.notes:
+            print(f"{group}: {note}")
+    out = Path(options.out) if options.out else default_out(options.dirs)
+    header = (f"Scaling fits over {len(registry.records)} runs ({options.metric}"
+              f"{', as 1 - metric' if options.higher_is_better else ''}; N = "
+              f"{options.params.replace('_', '-')} parameters); "
+              f"{len(registry.missing) + len(registry.invalid)} listed run(s) skipped.\n\n")
+    write_outputs(out, analysis, header)
+    print()
+    print(to_markdown(analysis))
+    print(f"wrote {out}/fits.md, *.csv, *.png; .venv/bin/tensorboard --logdir {out}/tb")
+    return 0

@@ -1,13 +1,18 @@
 """Sweep definitions (`configs/scaling/*.yaml`) and their expansion into run configs.
 
-A sweep is families x sizes x token budgets. Every run starts from the same trainer config
-(data, tokenizer, batch, schedule shape) and differs only in `model.flavor`,
-`model.overrides` and `train.max_tokens`, so the runs compare like for like; FLOPs are
-counted by each model's own `flops_per_token` in the trainer's summary.
+A sweep is families x sizes x budgets x axes. A budget is a number of training tokens, a
+number of tokens per parameter, or a compute budget C in training FLOPs, which each run turns
+into tokens with its model's own `flops_per_token(seq_len, training=True)` (the accounting of
+the trainer's MFU and summary). Axes (e.g. `optimizer.lr`) repeat every run for each of their
+values; the runs that differ only in axis values form one cell, of which the fits use the best.
+Every run starts from the same trainer config (data, tokenizer, batch, schedule shape) and
+differs only in `model.flavor`, `model.overrides`, `train.max_tokens` and the axis keys, so
+the runs compare like for like.
 """
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import types
 import typing
@@ -73,8 +78,16 @@ class Sweep:
     """Trainer YAML all runs start from (path relative to the repository root)."""
     families: dict[str, FamilySpec]
     """Group label (what the fits compare, e.g. `gpt`, `nrgpt_ff1`) -> its spec."""
-    tokens: TokenBudget
-    """Token budgets."""
+    tokens: TokenBudget = field(default_factory=TokenBudget)
+    """Token budgets (or give `flops`)."""
+    flops: list[float] = field(default_factory=list)
+    """Compute budgets C in training FLOPs, instead of `tokens`: each run trains
+    C / flops_per_token tokens of its model (the trainer's FLOP accounting: inner loops and
+    second-order work included), rounded to whole optimizer steps."""
+    axes: dict[str, list[Any]] = field(default_factory=dict)
+    """Dotted trainer key -> values (e.g. `optimizer.lr: [1.0e-3, 3.0e-3]`): every run is
+    repeated for each combination; runs differing only in these keys form one cell, and the
+    fits use each cell's best run."""
     sizes: dict[str, dict[str, Any]] = field(default_factory=lambda: {"base": {}})
     """Size label -> `model.overrides` entries (e.g. `w32: {n_embd: 32}`); shared by groups."""
     overrides: dict[str, Any] = field(default_factory=dict)
@@ -85,6 +98,10 @@ class Sweep:
     """Share of each run's optimizer steps spent in linear warmup (sets
     `schedule.warmup_steps`), so runs with different budgets share the schedule's shape; None
     keeps the base config's warmup_steps."""
+    parallel_runs: int = 1
+    """Local runs trained at the same time (`run` without --slurm); with more than one, each
+    run's output goes to SWEEP_DIR/logs/RUN.log. On a CPU machine: one per free core, with
+    `threads_per_process: 1`."""
     nproc_per_node: int = 1
     """Processes per local run (`run` without --slurm): 1 runs the trainer directly, more
     runs it under torchrun."""
@@ -108,30 +125,57 @@ class RunSpec:
     group: str
     size: str
     budget: str
-    """Budget label, e.g. `t200k` (fixed) or `x20` (20 tokens per parameter)."""
+    """Budget label, e.g. `t200k` (fixed), `x20` (20 tokens per parameter) or `c3e+11` (FLOPs)."""
     non_embedding_params: int
     max_tokens: int
     config: dict[str, Any]
     """The complete, resolved trainer config (`pretrain.config.to_dict` form)."""
+    cell: str
+    """The run name without the axis values: runs of one cell differ only in axis keys."""
+    axes: dict[str, Any] = field(default_factory=dict)
+    """Axis key -> this run's value."""
+    flops_budget: float | None = None
+    """The compute budget C the run's token budget was derived from (None: a token budget)."""
+    flops_per_token: float | None = None
+    """The model's training FLOPs per token at the run's seq_len (known when the dataset is)."""
 
 
-def load_sweep(path: str | Path) -> Sweep:
-    """Parse a sweep YAML; unknown keys and wrong types are ValueErrors naming key and file."""
+SET_BY_SWEEP = ("run_name", "output_root", "model.flavor", "train.max_tokens", "train.max_steps")
+"""Trainer keys every run gets from the sweep itself: not allowed as axes."""
+
+
+def load_sweep(path: str | Path, overrides: list[str] = ()) -> Sweep:
+    """Parse a sweep YAML and `key.sub=value` overrides of it (see `apply_overrides`); unknown
+    keys and wrong types are ValueErrors naming key and file."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"sweep file not found: {path}")
+    if path.is_dir():
+        raise ValueError(f"sweep file is a directory: {path}")
     try:
         raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:
         raise ValueError(f"{path}: not valid YAML ({err})".replace("\n", " ")) from None
-    sweep = _typed(Sweep, raw, str(path))
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: the top level must be a mapping of keys to values")
+    where = str(path) if not overrides else f"{path} with {' '.join(overrides)}"
+    sweep = _typed(Sweep, apply_overrides(raw, overrides), where)
     if not sweep.families:
         raise ValueError(f"{path}: families: give at least one group")
     budgets = sweep.tokens
-    if bool(budgets.fixed) == bool(budgets.per_param):
-        raise ValueError(f"{path}: tokens: give exactly one of 'fixed' or 'per_param'")
-    if min(budgets.fixed + budgets.per_param) <= 0:
-        raise ValueError(f"{path}: tokens: budgets must be positive")
+    if sum(map(bool, (budgets.fixed, budgets.per_param, sweep.flops))) != 1:
+        raise ValueError(f"{path}: give exactly one of the budgets 'tokens: {{fixed: ...}}', "
+                         "'tokens: {per_param: ...}' or 'flops'")
+    if min(budgets.fixed + budgets.per_param + sweep.flops) <= 0:
+        raise ValueError(f"{path}: budgets must be positive")
+    for key, values in sweep.axes.items():
+        if not values:
+            raise ValueError(f"{path}: axes: {key}: give at least one value")
+        if key in SET_BY_SWEEP:
+            raise ValueError(f"{path}: axes: {key} is set by the sweep itself; "
+                             "use sizes or budgets")
+    if sweep.parallel_runs < 1:
+        raise ValueError(f"{path}: parallel_runs must be at least 1")
     if sweep.warmup_fraction is not None and not 0 <= sweep.warmup_fraction < 1:
         raise ValueError(f"{path}: warmup_fraction must be in [0, 1)")
     if sweep.threads_per_process is not None and sweep.threads_per_process < 1:
@@ -144,6 +188,54 @@ def load_sweep(path: str | Path) -> Sweep:
                                                    if f.sizes is not None]):
         raise ValueError(f"{path}: sizes: give at least one size")
     return sweep
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """`raw` (a parsed sweep) with `key.sub=value` items applied, values parsed as YAML scalars
+    as the trainer parses its overrides (text that is not YAML stays text). A key
+    whose first part is a sweep field sets that field (`flops=[1e11,3e11]`, `slurm.time=4:00:00`,
+    `families.gpt.overrides.optimizer.lr=1e-3`); any other key is a trainer key for every run
+    (`train.global_batch_size=16`: an entry of `overrides`)."""
+    raw = dict(raw)
+    sweep_fields = {f.name for f in dataclasses.fields(Sweep)}
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"command line: override {item!r} is not of the form key.sub=value")
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            value = text
+        parts = key.strip().split(".")
+        if parts[0] not in sweep_fields:
+            parts = ["overrides", key]
+        _set(raw, parts, value, Sweep, key)
+    return raw
+
+
+def _set(node: dict[str, Any], parts: list[str], value: Any, tp: Any, key: str) -> None:
+    """Set `parts` in the mapping `node`, guided by the type `tp` it parses to: the keys of a
+    `dict[str, Any]` (trainer keys) may themselves hold dots."""
+    head, rest = parts[0], parts[1:]
+    tp = next((a for a in typing.get_args(tp) if a is not type(None)), tp) \
+        if typing.get_origin(tp) in (typing.Union, types.UnionType) else tp
+    if dataclasses.is_dataclass(tp):
+        child_tp = typing.get_type_hints(tp).get(head)
+        if child_tp is None:
+            raise ValueError(f"command line: {key}: unknown key {head!r}")
+    elif typing.get_origin(tp) is dict:
+        child_tp = typing.get_args(tp)[1]
+        if child_tp is Any or typing.get_origin(child_tp) is list:
+            head, rest = ".".join(parts), []
+    else:
+        raise ValueError(f"command line: {key}: {head!r} is inside a value, not a section")
+    if not rest:
+        node[head] = value
+        return
+    child = node.get(head)
+    child = dict(child) if isinstance(child, dict) else {}
+    node[head] = child
+    _set(child, rest, value, child_tp, key)
 
 
 def _typed(tp: Any, value: Any, where: str) -> Any:
@@ -189,53 +281,132 @@ def _typed(tp: Any, value: Any, where: str) -> Any:
     return float(value) if tp is float else value
 
 
-def non_embedding_params(flavor: str, model_overrides: dict[str, Any]) -> int:
-    """N of a flavor with overrides, counted on the meta device (no memory, no init cost)."""
+DATASETS = ("peek", "check", "prepare")
+"""What `expand` does about each run's dataset: read its manifest if it is there ("peek"),
+require it ("check"), or prepare it first from the config's `data.source` as the trainer would
+("prepare"; without a source it must be there)."""
+
+
+def model_figures(cfg, dataset_vocab_size: int | None) -> tuple[int, float | None]:
+    """(N, training FLOPs per token at the run's seq_len) of the model the trainer will build,
+    counted on the meta device (no memory, no init cost); FLOPs per token need the dataset's
+    vocabulary (the readout's share), None without it."""
     import torch
 
     from pretrain import models
+    from pretrain.config import model_config
 
-    config = models.resolve(flavor, model_overrides)
+    vocab = dataset_vocab_size or models.resolve(cfg.model.flavor).vocab_size
     with torch.device("meta"):
-        model = models.build(config)
-    return int(model.num_params(non_embedding=True))
+        model = models.build(model_config(cfg, vocab))
+    n_params = int(model.num_params(non_embedding=True))
+    if dataset_vocab_size is None:
+        return n_params, None
+    return n_params, float(model.flops_per_token(cfg.data.seq_len, training=True))
 
 
-def expand(sweep: Sweep) -> list[RunSpec]:
-    """Every run of the sweep, in a stable order (group, size, budget). Each run's config is
-    the trainer's own `load_config(base, overrides)`, so it is checked as the trainer checks it."""
-    from pretrain.config import ConfigError, load_config, to_dict
+def dataset_manifest(data, datasets: str, where: str) -> dict | None:
+    """The manifest of a run's dataset (see DATASETS); a dataset for another seq_len, or one
+    that is required and absent, is a ValueError naming it."""
+    from data_pipeline.prepare import ensure_prepared, existing_manifest
 
+    if datasets == "prepare" and data.source:
+        print(f"{where}: preparing dataset {data.path} (if not done yet)", flush=True)
+        manifest = ensure_prepared(data.path, data.source, seq_len=data.seq_len,
+                                   tokenizer=data.tokenizer, val_fraction=data.val_fraction)
+    else:
+        manifest = existing_manifest(data.path)
+    if manifest is None:
+        if datasets == "peek":
+            return None
+        hint = ("" if data.source else " and its config names no data.source to prepare it "
+                "from; prepare it with python -m data_pipeline.prepare --out " + data.path)
+        raise ValueError(f"{where}: dataset {data.path} is not prepared (no manifest.json)"
+                         f"{hint}")
+    if manifest["seq_len"] != data.seq_len:
+        raise ValueError(f"{where}: data.seq_len={data.seq_len}, but the dataset at {data.path} "
+                         f"has windows for seq_len={manifest['seq_len']}")
+    return manifest
+
+
+def expand(sweep: Sweep, datasets: str = "peek") -> list[RunSpec]:
+    """Every run of the sweep, in a stable order (group, size, axis values, budget). Each run's
+    config is the trainer's own `load_config(base, overrides)`, so it is checked as the trainer
+    checks it. `datasets`: see DATASETS; compute budgets need the manifest (the vocabulary sets
+    the readout's FLOPs), so with `flops` every dataset is checked."""
+    from pretrain.config import to_dict
+
+    if sweep.flops and datasets == "peek":
+        datasets = "check"
+    manifests: dict[str, dict | None] = {}
     runs = []
+    axis_keys = list(sweep.axes)
     for group, spec in sweep.families.items():
         base = spec.config or sweep.base_config
         if not Path(base).is_file():
             raise ValueError(f"sweep {sweep.name}: trainer config not found: {base}")
         for size, model_overrides in (spec.sizes or sweep.sizes).items():
-            cell = {**sweep.overrides, **spec.overrides, "output_root": str(sweep.directory),
-                    "model.flavor": spec.flavor, "train.max_steps": None}
-            cell.update({f"model.overrides.{k}": v for k, v in model_overrides.items()})
-            try:
-                # JSON is YAML: the trainer parses each value back to what it was here.
-                cfg = load_config(base, [f"{k}={json.dumps(v)}" for k, v in cell.items()])
-            except ConfigError as err:
-                # The sweep's values reach the trainer as overrides, which it calls "command line".
-                reason = str(err).removeprefix("command line: ")
-                raise ValueError(f"sweep {sweep.name}, {group} {size}: {reason}") from None
-            n_params = non_embedding_params(cfg.model.flavor, cfg.model.overrides)
-            budgets = [(f"t{_compact(t)}", int(t)) for t in sweep.tokens.fixed]
-            budgets += [(f"x{_compact(r)}", round(r * n_params)) for r in sweep.tokens.per_param]
-            for budget, max_tokens in budgets:
-                cfg.run_name = f"{sweep.name}-{group}-{size}-{budget}"
-                cfg.train.max_tokens = max_tokens
-                if sweep.warmup_fraction is not None:
-                    cfg.schedule.warmup_steps = round(sweep.warmup_fraction * cfg.total_steps)
-                runs.append(RunSpec(cfg.run_name, group, size, budget, n_params, max_tokens,
-                                    to_dict(cfg)))
+            for axis_values in itertools.product(*sweep.axes.values()):
+                where = f"sweep {sweep.name}, {group} {size}"
+                values = dict(zip(axis_keys, axis_values))
+                cfg = _run_config(base, {
+                    **sweep.overrides, **spec.overrides, **values,
+                    "output_root": str(sweep.directory), "model.flavor": spec.flavor,
+                    "train.max_steps": None,
+                    **{f"model.overrides.{k}": v for k, v in model_overrides.items()}}, where)
+                if cfg.data.path not in manifests:
+                    manifests[cfg.data.path] = dataset_manifest(cfg.data, datasets, where)
+                manifest = manifests[cfg.data.path]
+                n_params, flops_per_token = model_figures(
+                    cfg, manifest["vocab_size"] if manifest else None)
+                suffix = "".join(f"-{k.rsplit('.', 1)[-1]}{_label(v)}" for k, v in values.items())
+                for budget, max_tokens, flops_budget in _budgets(sweep, cfg, n_params,
+                                                                flops_per_token, where):
+                    cell = f"{sweep.name}-{group}-{size}-{budget}"
+                    cfg.run_name = cell + suffix
+                    cfg.train.max_tokens = max_tokens
+                    if sweep.warmup_fraction is not None:
+                        cfg.schedule.warmup_steps = round(sweep.warmup_fraction * cfg.total_steps)
+                    runs.append(RunSpec(cfg.run_name, group, size, budget, n_params, max_tokens,
+                                        to_dict(cfg), cell, values, flops_budget,
+                                        flops_per_token))
     names = [r.run_name for r in runs]
     if len(set(names)) != len(names):
         raise ValueError(f"sweep {sweep.name}: two cells share a run name; make labels unique")
     return runs
+
+
+def _run_config(base: str, overrides: dict[str, Any], where: str):
+    from pretrain.config import ConfigError, load_config
+
+    try:
+        # JSON is YAML: the trainer parses each value back to what it was here.
+        return load_config(base, [f"{k}={json.dumps(v)}" for k, v in overrides.items()])
+    except ConfigError as err:
+        # The sweep's values reach the trainer as overrides, which it calls "command line".
+        raise ValueError(f"{where}: {str(err).removeprefix('command line: ')}") from None
+
+
+def _budgets(sweep: Sweep, cfg, n_params: int, flops_per_token: float | None, where: str
+             ) -> list[tuple[str, int, float | None]]:
+    """(label, max_tokens, compute budget or None) of each budget of the sweep for one run."""
+    budgets = [(f"t{_compact(t)}", int(t), None) for t in sweep.tokens.fixed]
+    budgets += [(f"x{_compact(r)}", round(r * n_params), None) for r in sweep.tokens.per_param]
+    step_flops = flops_per_token * cfg.tokens_per_step if sweep.flops else 0.0
+    for flops in sweep.flops:
+        if flops < step_flops:
+            raise ValueError(f"{where}: flops budget {flops:.3g} is too small for one optimizer "
+                             f"step ({cfg.tokens_per_step} tokens x {flops_per_token:.4g} "
+                             f"FLOPs/token = {step_flops:.3g} FLOPs)")
+        # Whole optimizer steps, the nearest to C: the run's compute is C within half a step.
+        steps = round(flops / step_flops)
+        budgets.append((f"c{_compact(flops)}", steps * cfg.tokens_per_step, flops))
+    return budgets
+
+
+def _label(value: Any) -> str:
+    """An axis value as it appears in run names: 0.003 -> '0.003', 1e-05 -> '1e-05'."""
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def _compact(value: float) -> str:
@@ -247,8 +418,8 @@ def _compact(value: float) -> str:
 
 
 def write_run_configs(sweep: Sweep, runs: list[RunSpec]) -> list[Path]:
-    """Write each run's trainer YAML under SWEEP_DIR/configs/ and the sweep's cell index
-    (`sweep.json`, read by the registry to group runs); return the config paths."""
+    """Write each run's trainer YAML under SWEEP_DIR/configs/ and add the runs to the sweep's
+    cell index (`sweep.json`, read by the registry to group runs); return the config paths."""
     config_dir = sweep.directory / "configs"
     config_dir.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -256,11 +427,17 @@ def write_run_configs(sweep: Sweep, runs: list[RunSpec]) -> list[Path]:
         path = config_dir / f"{run.run_name}.yaml"
         atomic_write_text(path, yaml.safe_dump(run.config, sort_keys=False))
         paths.append(path)
+    # Entries of runs from an earlier definition of the sweep stay (e.g. a learning rate added
+    # later for one family): their runs are on disk, and their cells must stay their cells.
+    index_path = sweep.directory / SWEEP_FILE
+    known = json.loads(index_path.read_text())["runs"] if index_path.is_file() else {}
     index = {"sweep": sweep.name,
-             "runs": {r.run_name: {"group": r.group, "size": r.size, "budget": r.budget,
+             "runs": known | {r.run_name: {"group": r.group, "size": r.size, "budget": r.budget,
+                                   "cell": r.cell, "axes": r.axes,
                                    "non_embedding_params": r.non_embedding_params,
-                                   "max_tokens": r.max_tokens} for r in runs}}
-    atomic_write_text(sweep.directory / SWEEP_FILE, json.dumps(index, indent=2) + "\n")
+                                   "max_tokens": r.max_tokens, "flops_budget": r.flops_budget,
+                                   "flops_per_token": r.flops_per_token} for r in runs}}
+    atomic_write_text(index_path, json.dumps(index, indent=2) + "\n")
     return paths
 
 

@@ -14,7 +14,7 @@ import torch
 
 from pretrain.scaling import launch
 from pretrain.scaling.registry import RunRecord
-from pretrain.scaling.report import pyplot
+from pretrain.scaling.plots import pyplot
 from pretrain.scaling.sweep import RunSpec, Sweep, is_finished, load_sweep
 
 EVAL_FILE = "experiment_eval.json"
@@ -31,16 +31,17 @@ class FinishedRun:
     """What the experiment's evaluation returned for this run."""
 
 
-def train_and_evaluate(path: str, key: str, evaluate: Callable[[RunSpec, Path], dict[str, Any]]
-                       ) -> tuple[Sweep, list[FinishedRun]]:
-    """Train the sweep's runs one by one, evaluating each as soon as it has finished (with the
-    code it was trained with) unless RUN_DIR/experiment_eval.json already holds `key`."""
-    sweep = load_sweep(path)
+def train_and_evaluate(path: str, key: str, evaluate: Callable[[RunSpec, Path], dict[str, Any]],
+                       overrides: list[str] = ()) -> tuple[Sweep, list[FinishedRun]]:
+    """Train the sweep's runs (`overrides` applied to it) one by one, evaluating each as soon as
+    it has finished (with the code it was trained with) unless RUN_DIR/experiment_eval.json
+    already holds `key`."""
+    sweep = load_sweep(path, overrides)
     if sweep.threads_per_process is not None:  # the evaluation here runs like the runs did
         torch.set_num_threads(sweep.threads_per_process)
     finished = []
     # Smallest models first: every group advances together, and the costly runs come last.
-    planned = sorted(launch.plan(sweep), key=lambda item: item[0].non_embedding_params)
+    planned = sorted(launch.plan(sweep, "prepare"), key=lambda item: item[0].non_embedding_params)
     for i, (run, config_path) in enumerate(planned, 1):
         rc = 0 if is_finished(sweep, run) else launch.train_run(sweep, run, config_path,
                                                                 f"[{i}/{len(planned)}]")

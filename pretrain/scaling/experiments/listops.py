@@ -24,7 +24,7 @@ from data_pipeline.loader import read_manifest
 from pretrain.fileio import markdown_table
 from pretrain.scaling.experiments.common import (train_and_evaluate,
                                                  trained_model, write_results)
-from pretrain.scaling.report import pyplot
+from pretrain.scaling.plots import pyplot
 
 SWEEP = "configs/scaling/listops.yaml"
 PAPER_TRANSITION = (2.3e4, 3.0e4)
@@ -75,7 +75,7 @@ def teacher_forced(model, examples: list[tuple[list[int], list[int]]], eos_id: i
     return {"answer_token_acc": correct / total, "answer_loss": loss / total}
 
 
-def main() -> int:
+def main(overrides: list[str] = ()) -> int:
     def evaluate_run(run, run_dir):
         data_dir = run.config["data"]["path"]
         examples = listops_test_examples(data_dir, "test")
@@ -84,7 +84,7 @@ def main() -> int:
         return {**greedy_accuracy(model, examples, eos_id),
                 **teacher_forced(model, examples, eos_id)}
 
-    sweep, runs = train_and_evaluate(SWEEP, "listops_test", evaluate_run)
+    sweep, runs = train_and_evaluate(SWEEP, "listops_test", evaluate_run, overrides)
     rows = [{"model": r.spec.group, "width": r.spec.config["model"]["overrides"]["n_embd"],
              "params": r.record.params, "val_loss": r.record.best_val_loss,
              "test_exact": r.evaluation["exact"], "test_result": r.evaluation["result"],

@@ -14,7 +14,7 @@ from pretrain.fileio import markdown_table
 from pretrain.scaling.experiments.common import (mean_loss,
                                                  train_and_evaluate, trained_model,
                                                  write_results)
-from pretrain.scaling.report import pyplot
+from pretrain.scaling.plots import pyplot
 from pretrain.scaling.sweep import load_sweep
 
 SWEEP = "configs/scaling/shakespeare_char.yaml"
@@ -24,8 +24,8 @@ LOSS_BATCHES = 80
 """Micro-batches of each split for the final train and val losses (80 x 8 x 128 characters)."""
 
 
-def main() -> int:
-    data = load_config(load_sweep(SWEEP).base_config).data
+def main(overrides: list[str] = ()) -> int:
+    data = load_config(load_sweep(SWEEP, overrides).base_config).data
     ensure_prepared(data.path, "shakespeare", seq_len=data.seq_len, tokenizer="char",
                     val_fraction=VAL_FRACTION, max_docs=SCENES)
 
@@ -34,7 +34,7 @@ def main() -> int:
         return {split: mean_loss(model, data.path, split, LOSS_BATCHES, data.micro_batch_size)
                 for split in ("train", "val")}
 
-    sweep, runs = train_and_evaluate(SWEEP, "char_losses", final_losses)
+    sweep, runs = train_and_evaluate(SWEEP, "char_losses", final_losses, overrides)
     rows = [{"model": r.spec.group, "width": r.spec.config["model"]["overrides"]["n_embd"],
              "params": r.record.params, "non_embedding": r.record.non_embedding_params,
              "best_val": r.record.best_val_loss, "final_train": r.evaluation["train"],

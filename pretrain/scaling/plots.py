@@ -1,0 +1,267 @@
+"""Figures (PNG) and TensorBoard output of the fit command.
+
+TensorBoard colours lines by run, so every group is written as its own run (`tb/<group>/`) with
+the same tags: one chart of a tag (and of the custom-scalar layouts, which match tags by
+pattern) then shows every group in its own colour. Steps are integers, so a point at x is logged
+at step round(1000 log10 x) (step 9000 = 1e9); the figures and the tables go into `tb/` itself.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+
+TB_STEPS_PER_DECADE = 1000
+"""A point at x is logged at step round(1000 * log10 x)."""
+_CURVE_POINTS = 64
+
+
+def pyplot():
+    """matplotlib.pyplot on the file-only backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _colors(analysis) -> dict[str, str]:
+    return {g: f"C{i}" for i, g in enumerate(sorted(analysis.groups))}
+
+
+def _log_axes(ax, xlabel: str, ylabel: str = "loss", log_y: bool = True) -> None:
+    import matplotlib.ticker
+
+    ax.set_xscale("log")
+    if log_y:
+        ax.set_yscale("log")
+        for set_formatter in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
+            set_formatter(matplotlib.ticker.FormatStrFormatter("%.3g"))
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, which="both", alpha=0.3)
+
+
+def laws_figure(analysis):
+    """Log-log loss against each fitted one-variable law's x, every group in one panel per law."""
+    from pretrain.scaling.report import LAWS
+
+    plt = pyplot()
+    laws = [law for law in LAWS if any(f.law == law and f.full is not None
+                                       for f in analysis.laws)] or [LAWS[0]]
+    fig, axes = plt.subplots(1, len(laws), figsize=(4.2 * len(laws), 3.6), squeeze=False)
+    colors = _colors(analysis)
+    for ax, law in zip(axes[0], laws):
+        for group, points in sorted(analysis.cells.items()):
+            xs = [p.x[law.symbol] for p in points]
+            ax.scatter(xs, [p.loss for p in points], s=14, color=colors[group], alpha=0.35)
+            fit = next(f for f in analysis.laws if f.group == group and f.law == law)
+            label = group if fit.full is None else f"{group}: alpha={fit.full.law.alpha:.3g}"
+            ax.scatter([p.x[law.symbol] for p in fit.points], [p.loss for p in fit.points],
+                       s=22, color=colors[group], label=label)
+            if fit.full is not None:
+                grid = np.geomspace(min(xs), max(xs), _CURVE_POINTS)
+                ax.plot(grid, fit.full.law(grid), color=colors[group], lw=1.2)
+        _log_axes(ax, law.label)
+        ax.set_title(f"L({law.symbol})")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def _frontier_curve(family, extend: float = 1.5):
+    """(C grid, L*(C)) of a family's joint law over its compute range, a little beyond."""
+    lo, hi = family.c_range
+    grid = np.geomspace(lo / extend, hi * extend, _CURVE_POINTS)
+    return grid, family.allocation(grid)[2]
+
+
+def compute_figure(analysis):
+    """Loss against training compute per group (each cell's best run), with the joint law's
+    compute-optimal frontier and the IsoFLOP optima."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.0, 4.2))
+    colors = _colors(analysis)
+    for group, points in sorted(analysis.cells.items()):
+        family = analysis.families[group]
+        ax.scatter([p.x["C"] for p in points], [p.loss for p in points], s=16, alpha=0.5,
+                   color=colors[group], label=group)
+        if family.joint is not None:
+            grid, loss = _frontier_curve(family)
+            ax.plot(grid, loss, color=colors[group], lw=1.4)
+        optima = [f for f in family.isoflop if f.inside]
+        if optima:
+            ax.scatter([f.budget for f in optima], [f.loss_opt for f in optima], marker="*",
+                       s=90, color=colors[group], edgecolor="k", lw=0.5)
+    _log_axes(ax, "training FLOPs C")
+    ax.set_title("loss vs compute: runs, joint-law frontier (line), IsoFLOP optima (stars)",
+                 fontsize=8)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def isoflop_figure(analysis):
+    """Per group: loss against N at each compute budget with its parabola and optimum."""
+    plt = pyplot()
+    groups = [g for g, f in sorted(analysis.families.items()) if f.isoflop]
+    fig, axes = plt.subplots(1, len(groups), figsize=(3.8 * len(groups), 3.5), squeeze=False,
+                             sharey=True)
+    cmap = plt.get_cmap("viridis")
+    budgets = sorted({f.budget for g in groups for f in analysis.families[g].isoflop})
+    shade = {b: cmap(i / max(1, len(budgets) - 1) * 0.85) for i, b in enumerate(budgets)}
+    for ax, group in zip(axes[0], groups):
+        family = analysis.families[group]
+        for fit in family.isoflop:
+            runs = sorted((p for p in family.points if p.budget == fit.budget),
+                          key=lambda p: p.x["N"])
+            n = [p.x["N"] for p in runs]
+            ax.scatter(n, [p.loss for p in runs], s=16, color=shade[fit.budget],
+                       label=f"C={fit.budget:.2g}")
+            grid = np.geomspace(min(n) / 1.5, max(n) * 1.5, _CURVE_POINTS)
+            ax.plot(grid, fit(grid), color=shade[fit.budget], lw=1.0)
+            if fit.inside:
+                ax.scatter([fit.n_opt], [fit.loss_opt], marker="*", s=80,
+                           color=shade[fit.budget], edgecolor="k", lw=0.5)
+        _log_axes(ax, "parameters N", log_y=False)
+        ax.set_title(f"{group}: IsoFLOP curves", fontsize=9)
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    return fig
+
+
+def gain_figure(analysis):
+    """Compute-equivalent gain against compute, with its interval, per comparison."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.0, 4.0))
+    colors = _colors(analysis)
+    for comp in analysis.comparisons:
+        color = colors[comp.group]
+        ax.plot(comp.budgets, comp.gain, "o-", color=color,
+                label=f"{comp.group} vs {comp.baseline}")
+        ax.fill_between(comp.budgets, *comp.gain_ci, color=color, alpha=0.2)
+    ax.axhline(1.0, color="0.4", lw=0.8, ls="--")
+    _log_axes(ax, "training FLOPs C", "compute-equivalent gain (x)")
+    ax.set_title(f"compute the baseline needs for the same loss, over C "
+                 f"({analysis.comparisons[0].ci_level:.0%} band)", fontsize=8)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def axes_figure(analysis):
+    """Per group: the metric against each axis (e.g. learning rate) within each cell; a cell
+    whose best value is on the grid's edge is drawn dashed."""
+    plt = pyplot()
+    groups = sorted({c.group for c in analysis.curves})
+    fig, axes = plt.subplots(1, len(groups), figsize=(3.8 * len(groups), 3.5), squeeze=False)
+    for ax, group in zip(axes[0], groups):
+        curves = [c for c in analysis.curves if c.group == group]
+        numeric = all(isinstance(v, (int, float)) and v > 0 for c in curves for v, _ in c.values)
+        for i, curve in enumerate(curves):
+            xs = [v if numeric else str(v) for v, _ in curve.values]
+            ax.plot(xs, [m for _, m in curve.values], "o" + ("--" if curve.at_edge else "-"),
+                    color=f"C{i % 10}", lw=1.0, ms=3,
+                    label=curve.cell.rsplit("-", 2)[-2] + "-" + curve.cell.rsplit("-", 1)[-1])
+        if numeric:
+            ax.set_xscale("log")
+        edge = sum(c.at_edge for c in curves)
+        ax.set_title(f"{group}: {curves[0].key} ({edge}/{len(curves)} best on an edge)",
+                     fontsize=8)
+        ax.set_xlabel(curves[0].key)
+        ax.set_ylabel(analysis.metric)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=5, ncol=2)
+    fig.tight_layout()
+    return fig
+
+
+def make_figures(analysis) -> dict:
+    """File stem -> figure, for what the analysis has."""
+    figures = {"scaling": laws_figure(analysis), "compute": compute_figure(analysis)}
+    if any(f.isoflop for f in analysis.families.values()):
+        figures["isoflop"] = isoflop_figure(analysis)
+    if analysis.comparisons:
+        figures["gain"] = gain_figure(analysis)
+    if analysis.curves:
+        figures["axes"] = axes_figure(analysis)
+    return figures
+
+
+def close(figures: dict) -> None:
+    plt = pyplot()
+    for figure in figures.values():
+        plt.close(figure)
+
+
+def _step(x: float) -> int:
+    return round(TB_STEPS_PER_DECADE * math.log10(x))
+
+
+def _curve(writer, tag: str, fn, lo: float, hi: float) -> None:
+    """A fitted curve as scalars at every 20th step between x = lo and x = hi."""
+    for step in range(_step(lo), _step(hi) + 1, TB_STEPS_PER_DECADE // 50):
+        value = float(fn(10 ** (step / TB_STEPS_PER_DECADE)))
+        if math.isfinite(value):
+            writer.add_scalar(tag, value, step)
+
+
+def write_tensorboard(tb_dir: Path, analysis, images: dict[str, Path], table_md: str) -> None:
+    """Per group (run `tb/<group>/`): `loss_vs_{params,flops,tokens}` (measured, ascending x:
+    TensorBoard drops points when a tag's step goes back) and `..._fit`; `frontier` (the joint
+    law's L*(C)); `isoflop_c<C>` and `isoflop_fit_c<C>` (loss against N); `gain_vs_flops` and
+    its interval `gain_vs_flops_lo`/`_hi`. In `tb/`: the custom-scalar layouts, the figures
+    (`scaling/<name>`, from the PNG files `images`, so each is drawn once) and the tables
+    (`scaling/fits`)."""
+    import matplotlib.image
+    from torch.utils.tensorboard import SummaryWriter
+
+    from pretrain.scaling.report import LAWS
+
+    layout = {}
+    for law in LAWS:
+        layout[f"loss vs {law.name} (step = {TB_STEPS_PER_DECADE} log10 {law.symbol})"] = [
+            "Multiline", [rf"^loss_vs_{law.name}(_fit)?$"]]
+    layout["compute-optimal frontier of the joint law (step = 1000 log10 C)"] = [
+        "Multiline", [r"^frontier$", r"^loss_vs_flops$"]]
+    layout["IsoFLOP: loss vs N at each budget (step = 1000 log10 N)"] = [
+        "Multiline", [r"^isoflop_"]]
+    layout["compute-equivalent gain vs C (step = 1000 log10 C)"] = [
+        "Multiline", [r"^gain_vs_flops"]]
+    comparisons = {c.group: c for c in analysis.comparisons}
+    for group, points in sorted(analysis.cells.items()):
+        writer = SummaryWriter(str(tb_dir / group))
+        for fit in (f for f in analysis.laws if f.group == group):
+            for p in fit.points:
+                writer.add_scalar(f"loss_vs_{fit.law.name}", p.loss, _step(p.x[fit.law.symbol]))
+            if fit.full is not None:
+                xs = [p.x[fit.law.symbol] for p in fit.points]
+                _curve(writer, f"loss_vs_{fit.law.name}_fit", fit.full.law, min(xs), max(xs))
+        family = analysis.families[group]
+        if family.joint is not None:
+            lo, hi = family.c_range
+            _curve(writer, "frontier", lambda c: family.allocation([c])[2][0], lo, hi)
+        for fit in family.isoflop:
+            runs = sorted((p for p in points if p.budget == fit.budget), key=lambda p: p.x["N"])
+            tag = f"isoflop_c{fit.budget:.3g}"
+            for p in runs:
+                writer.add_scalar(tag, p.loss, _step(p.x["N"]))
+            _curve(writer, tag.replace("isoflop_", "isoflop_fit_"), fit, runs[0].x["N"],
+                   runs[-1].x["N"])
+        comp = comparisons.get(group)
+        if comp is not None:
+            for c, gain, lo, hi in zip(comp.budgets, comp.gain, *comp.gain_ci):
+                for tag, value in (("gain_vs_flops", gain), ("gain_vs_flops_lo", lo),
+                                   ("gain_vs_flops_hi", hi)):
+                    if math.isfinite(value):
+                        writer.add_scalar(tag, float(value), _step(c))
+        writer.close()
+    writer = SummaryWriter(str(tb_dir))
+    writer.add_custom_scalars({"scaling laws": layout})
+    for name, path in images.items():
+        writer.add_image(f"scaling/{name}", matplotlib.image.imread(path)[..., :3],
+                         dataformats="HWC")
+    writer.add_text("scaling/fits", table_md)
+    writer.close()
