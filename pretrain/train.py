@@ -375,7 +375,7 @@ class Trainer:
             raise NonFiniteError(f"{where} and no checkpoint to reload; lower optimizer.lr or "
                                  "check the data")
         self.state.reloads += 1
-        self.metrics.print(f"{where}: reloaded {resumed.tag_dir.name} (reload {self.state.reloads} of "
+        self.metrics.print(f"{where}: reloading {resumed.tag_dir.name} (reload {self.state.reloads} of "
                            f"at most {self.cfg.train.max_reloads})")
         self._continue_from(resumed, reload=True)
         self.metrics.scalars(self.state.step, {"train/reloads": self.state.reloads})
