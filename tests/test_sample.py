@@ -51,10 +51,10 @@ def test_cached_logits_equal_full_recompute(name):
     tokens, then 4 at once) equal those of the whole prefix without a cache (for EBT a descent
     of its own from the same fixed noise)."""
     model = build_case(name)
-    idx = tokens(model)
+    idx = tokens(model, length=14)
     cache, end = DecodeCache(), 0
     with torch.no_grad():
-        for size in [6] + [1] * 10 + [4]:
+        for size in [6, 1, 1, 1, 1, 4]:
             cached = model.next_token_logits(idx[:, end:end + size], cache)
             end += size
             reference = model.next_token_logits(idx[:, :end])
@@ -62,13 +62,11 @@ def test_cached_logits_equal_full_recompute(name):
     assert cache.length == idx.size(1)
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", [name for name in CASES if not name.startswith("ebt")])
 def test_cached_chunk_gives_every_position(name):
     """A cached chunk's logits at every position (not only the last) equal the full forward's;
-    for float32 models within float32 rounding."""
+    for float32 models within float32 rounding. (EBT predicts one new position per call.)"""
     model = build_case(name, dtype=torch.float32)
-    if hasattr(model, "think"):
-        pytest.skip("EBT predicts one new position per call")
     idx = tokens(model, length=16)
     with torch.no_grad():
         full = model(idx).logits
@@ -80,14 +78,14 @@ def test_cached_chunk_gives_every_position(name):
 @pytest.mark.parametrize("name", CASES)
 def test_greedy_generation_picks_the_full_recompute_tokens(name):
     """generate() (the cached loop) against argmax over full recomputes, also across the
-    context length (block_size 12: the window then slides)."""
-    model = build_case(name, block_size=12)
-    prompt = tokens(model, length=4)
+    context length (block_size 8: the window slides for the last two tokens)."""
+    model = build_case(name, block_size=8)
+    prompt = tokens(model, length=3)
     with torch.no_grad():
-        generated = model.generate(prompt, 14, temperature=0)
+        generated = model.generate(prompt, 8, temperature=0)
         expected = prompt
-        for _ in range(14):
-            next_token = model.next_token_logits(expected[:, -12:]).argmax(-1, keepdim=True)
+        for _ in range(8):
+            next_token = model.next_token_logits(expected[:, -8:]).argmax(-1, keepdim=True)
             expected = torch.cat([expected, next_token], dim=1)
     assert torch.equal(generated, expected)
 
