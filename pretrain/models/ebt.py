@@ -1,4 +1,5 @@
-"""Energy-Based Transformer (EBT) for autoregressive language modelling (spec section 3).
+"""Energy-Based Transformer (EBT) for autoregressive language modelling: "Energy-Based Transformers
+are Scalable Learners and Thinkers" (arXiv 2507.02092), as its released code computes it.
 
 A Llama-style transformer scores a candidate distribution over the next token with one scalar
 energy per position. The prediction is found by gradient descent on the candidate:
@@ -32,6 +33,7 @@ import torch.nn.functional as F
 
 from pretrain.models.blocks import check_choice, check_positive, maybe_checkpoint
 from pretrain.models.common import DecodeCache, LanguageModel, ModelOutput
+from pretrain.models.descent_plumbing import CheckpointedStep, StepSettings, seeded_rng
 from pretrain.models.ebt_attention import two_stream_attention
 from pretrain.models.llama import (Block, LlamaConfig, RMSNorm, block_flops, causal_attention, check_length,
                                    init_weights, rotary_tables)
@@ -43,7 +45,7 @@ MIN_ALPHA = 1e-4
 
 @dataclass
 class EBTConfig(LlamaConfig):
-    """EBT on the Llama backbone. The S1 / S2 recipes of spec 3.5 are combinations of the
+    """EBT on the Llama backbone. The paper's S1 (scaling) and S2 (thinking) recipes are combinations of the
     options below (see the registered flavors)."""
 
     n_steps: int = 2
@@ -182,79 +184,12 @@ class DescentResult(NamedTuple):
     `final_energy`, the last entry being the final candidate's energy."""
     token_losses: torch.Tensor | None
     """[S, B, R] cross entropy of log_softmax(y_{t+1}) per step and token (detached)."""
+    loss_per_step: torch.Tensor | None
+    """[S] mean cross entropy after each step (detached)."""
     loss: torch.Tensor | None
     """The training objective (mean over steps, or last step when truncated), with its graph."""
     alpha: torch.Tensor
     """The (clamped) step size parameter, detached."""
-
-
-class CheckpointedStep(torch.autograd.Function):
-    """Activation checkpointing of one descent step, a function that calls autograd.grad.
-
-    Forward runs the step without its second-order graph and keeps only the step's inputs;
-    backward reruns it with the graph (same random numbers) and backpropagates. torch's
-    non-reentrant checkpoint would instead recompute the dropped activations already in the
-    forward, for the step's own autograd.grad, and then keep what that gradient does not read
-    until the backward: one more [B, T, V] tensor per step, and an extra energy forward.
-    The parameters are inputs (unused in forward) so that their gradients flow through the
-    usual accumulation, and its hooks (DeepSpeed's)."""
-
-    @staticmethod
-    def forward(ctx, descent, settings, targets, y, alpha, *observed_and_params):
-        first_row, noise_std, second_order, keep_graph, n_observed = settings
-        observed_flat, ctx.params = observed_and_params[:n_observed], observed_and_params[n_observed:]
-        ctx.descent, ctx.settings, ctx.targets = descent, settings, targets
-        ctx.rng = rng_state(y.device)
-        ctx.save_for_backward(y, alpha, *observed_flat)
-        with torch.enable_grad():
-            y, energy, losses = descent.step(y.detach(), pairs(observed_flat), first_row, targets,
-                                             alpha.detach(), noise_std, False, False)
-        return y.detach(), energy, None if losses is None else losses.detach()
-
-    @staticmethod
-    def backward(ctx, grad_y, grad_energy, grad_losses):
-        first_row, noise_std, second_order, keep_graph, _ = ctx.settings
-        inputs = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
-        y, alpha, *observed_flat = inputs
-        with torch.random.fork_rng(devices=[y.device] if y.is_cuda else []), torch.enable_grad():
-            restore_rng_state(ctx.rng, y.device)
-            y, _, losses = ctx.descent.step(y, pairs(observed_flat), first_row, ctx.targets, alpha,
-                                            noise_std, second_order, keep_graph)
-        outputs = [(out, grad) for out, grad in ((y, grad_y), (losses, grad_losses))
-                   if grad is not None and out is not None and out.requires_grad]
-        wrt = [t for t in inputs + list(ctx.params) if t.requires_grad]
-        grads = [None] * len(wrt)
-        if outputs:
-            grads = torch.autograd.grad([o for o, _ in outputs], wrt, [g for _, g in outputs],
-                                        allow_unused=True)
-        grads = iter(grads)
-        return (None, None, None,
-                *(next(grads) if t.requires_grad else None for t in inputs + list(ctx.params)))
-
-
-def rng_state(device: torch.device):
-    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-
-
-def restore_rng_state(state, device: torch.device) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state(state[1], device)
-
-
-@contextlib.contextmanager
-def seeded_rng(seed: int, device: torch.device):
-    """Inside: the global RNG of the CPU (and of `device`) seeded with `seed`; restored after."""
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.default_generator.manual_seed(seed)
-        if device.type == "cuda":
-            torch.cuda.default_generators[device.index if device.index is not None
-                                          else torch.cuda.current_device()].manual_seed(seed)
-        yield
-
-
-def pairs(flat) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return list(zip(flat[0::2], flat[1::2]))
 
 
 class EnergyDescent(nn.Module):
@@ -346,21 +281,21 @@ class EnergyDescent(nn.Module):
             x = maybe_checkpoint(checkpointed, layer, x, rope, attend)[0]
         return self.energy_head(self.norm(x)).squeeze(-1)
 
-    def step(self, y: torch.Tensor, observed: list, first_row: int, targets: torch.Tensor | None,
-             alpha: torch.Tensor, noise_std: float, second_order: bool, keep_graph: bool):
+    def step(self, y: torch.Tensor, observed: list, targets: torch.Tensor | None, alpha: torch.Tensor,
+             settings: StepSettings):
         """One descent step from y_t [B, R, V]: (y_{t+1}, E_t [B, R] detached, per-token loss of
-        y_{t+1} or None). `second_order` builds the graph of the energy gradient; `keep_graph`
-        keeps the one through y_t."""
-        if not keep_graph:
+        y_{t+1} or None), as `settings` say (noise, second-order graph, graph through y_t)."""
+        if not settings.keep_graph:
             y = y.detach()
-        if noise_std:
-            y = y + noise_std * torch.randn_like(y)
+        if settings.noise_std:
+            y = y + settings.noise_std * torch.randn_like(y)
         probs = y.softmax(dim=-1)
         table = self.candidate_table()
         embedded = probs.to(table.dtype) @ table
         if not embedded.requires_grad:  # a frozen table
             embedded.requires_grad_()
-        energy = self.energy(embedded, observed, first_row)
+        energy = self.energy(embedded, observed, settings.first_row)
+        second_order = settings.second_order
         # dE/dp through the embedding by hand: autograd.grad w.r.t. p would need p to require
         # grad, and the training backward would then also differentiate the loss w.r.t. p
         grad_embedded, = torch.autograd.grad(energy.sum(), embedded, create_graph=second_order)
@@ -413,14 +348,15 @@ class EnergyDescent(nn.Module):
                         # would recompute and keep these activations until the backward
                         step_observed = maybe_checkpoint(checkpointed, self.observe, idx, t, anchor, cache)
                 second_order = learning and (t == n_steps - 1 or not cfg.truncate_loss)
+                settings = StepSettings(first_row=first_row, noise_std=noise_std, second_order=second_order,
+                                        keep_graph=keep_graph)
                 if checkpointed:
-                    settings = (first_row, noise_std, second_order, keep_graph, 2 * len(step_observed))
                     y, energy, step_losses = CheckpointedStep.apply(
-                        self, settings, targets, y, alpha, *(tensor for kv in step_observed for tensor in kv),
+                        self.step, settings, 2 * len(step_observed), targets, y, alpha,
+                        *(tensor for kv in step_observed for tensor in kv),
                         *(p for p in self.parameters() if p.requires_grad))
                 else:
-                    y, energy, step_losses = self.step(y, step_observed, first_row, targets, alpha,
-                                                       noise_std, second_order, keep_graph)
+                    y, energy, step_losses = self.step(y, step_observed, targets, alpha, settings)
                 energies.append(energy)
                 losses.append(step_losses)
         if final_energy:
@@ -429,13 +365,13 @@ class EnergyDescent(nn.Module):
                     observed = self.observe(idx, n_steps, cache=cache)
                 embedded = y.softmax(dim=-1).to(self.candidate_table().dtype) @ self.candidate_table()
                 energies.append(self.energy(embedded, observed, first_row))
-        loss = per_step = None
+        loss = per_token = per_step = None
         if targets is not None:
             n_valid = (targets != -1).sum().clamp(min=1)
-            step_means = [step_losses.sum() / n_valid for step_losses in losses]
-            loss = step_means[-1] if cfg.truncate_loss else torch.stack(step_means).mean()
-            per_step = torch.stack(losses).detach()
-        return DescentResult(y.detach(), torch.stack(energies), per_step, loss,
+            step_means = torch.stack([step_losses.sum() / n_valid for step_losses in losses])
+            loss = step_means[-1] if cfg.truncate_loss else step_means.mean()
+            per_token, per_step = torch.stack(losses).detach(), step_means.detach()
+        return DescentResult(y.detach(), torch.stack(energies), per_token, per_step, loss,
                              self.alpha.detach().clamp(min=MIN_ALPHA).squeeze(0))
 
 
@@ -570,8 +506,7 @@ class EBT(LanguageModel):
         diagnostics = {"energy": result.energies.mean(dim=(1, 2)), "alpha": result.alpha}
         loss = None
         if targets is not None:
-            n_valid = (all_targets != -1).sum().clamp(min=1)
-            loss_per_step = result.token_losses.sum(dim=(1, 2)) / n_valid
+            loss_per_step = result.loss_per_step
             diagnostics.update(loss_per_step=loss_per_step, loss_first_step=loss_per_step[0],
                                loss_last_step=loss_per_step[-1])
             loss = result.loss if self.training else loss_per_step[-1]

@@ -1,5 +1,6 @@
 """GPT baselines: the GPT-2 style stack (`gpt`) and the recurrent parallel GPT (`gpt_rec`),
-where one block with shared weights is applied `n_steps` times (spec section 1)."""
+where one block with shared weights is applied `n_steps` times (the NRGPT paper's
+"GPT_Rec" baseline, arXiv 2512.16762)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

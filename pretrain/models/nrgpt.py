@@ -1,4 +1,5 @@
-"""NRGPT: a GPT whose one shared block is a step of gradient descent on an energy (spec 2).
+"""NRGPT: a GPT whose one shared block is a step of gradient descent on an energy ("NRGPT: An Energy-based
+Alternative for GPT", arXiv 2512.16762).
 
 Each of `n_steps` applications of the block updates every token A by
 
@@ -44,7 +45,7 @@ class NRGPTConfig(LMConfig):
     cuBLAS speed at any head dim). Exact mode under the inclusive mask is always
     explicit: it needs p_AA, which SDPA does not return."""
     ff_energy: str = "ff2w"
-    """Feed-forward energy: "ff1", "ff2" or "ff2w" (spec 2.2)."""
+    """Feed-forward energy: "ff1", "ff2" or "ff2w" (the paper's Dense Associative Memory energies)."""
     ff_act: str = "gelu"
     """sigma of the FF energy: "gelu" (exact, erf form) or "relu"."""
     ff_hidden_factor: int = 4
@@ -273,7 +274,8 @@ def act_and_slope(u: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tenso
 
 
 class EnergyFF(nn.Module):
-    """Per-token Dense Associative Memory energies and their closed-form gradients (spec 2.2).
+    """Per-token Dense Associative Memory energies and their closed-form gradients (the
+    NRGPT paper's Dense Associative Memory form).
 
     ff1:  E = -||sigma(W g + b)||^2
     ff2:  E = -||sigma(W2 sigma(W1 g + b1) + b2)||^2   (W1: D -> D, W2: D -> hD as released)
@@ -333,7 +335,8 @@ class InferenceRate(nn.Module):
 
     With eta = c diag(gamma) the update descends each token's energy: the norm's Jacobian is
     dg/dx = diag(gamma) P / sigma with P a symmetric PSD projector, so to first order
-    dE = -(c / sigma) (gamma * dE/dg)^T P (gamma * dE/dg) <= 0 (spec 2.3)."""
+    dE = -(c / sigma) (gamma * dE/dg)^T P (gamma * dE/dg) <= 0 (the paper's argument that
+    the recurrent step descends the energy)."""
 
     def __init__(self, config: NRGPTConfig):
         super().__init__()
