@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from pretrain.typed import read_typed
+from pretrain.typed import parse_override, read_typed
 
 RESUME_MODES = ("auto", "never", "restart")
 PREPARATION_KEYS = {"data.source", "data.tokenizer", "data.val_fraction"}
@@ -308,15 +308,9 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
         if isinstance(raw["data"], dict):
             raw["data"]["source"] = None
     for item in overrides:
-        key, sep, text = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"command line: override {item!r} is not of the form key.sub=value")
-        try:
-            value = yaml.safe_load(text)
-        except yaml.YAMLError:
-            value = text
-        _set_dotted(raw, key.strip(), value)
-        from_command_line.add(key.strip())
+        key, value = parse_override(item, ConfigError)
+        _set_dotted(raw, key, value)
+        from_command_line.add(key)
 
     def origin(key: str) -> str:
         # a key the command line set, inside one it set, or a section only it introduced

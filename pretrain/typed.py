@@ -14,8 +14,23 @@ import types
 import typing
 from typing import Any, Callable
 
+import yaml
+
 YAML11_EXPONENT = re.compile(r"[-+]?\d+(\.\d*)?[eE][-+]?\d+")
 """Numbers such as 3e-4 that PyYAML (YAML 1.1) reads as strings; float fields accept them."""
+
+
+def parse_override(item: str, error: type[Exception] = ValueError) -> tuple[str, Any]:
+    """A command-line `key.sub=value` as (key, value), the value parsed as a YAML scalar (text
+    that is not YAML stays text); `error` for an item without `=` or key."""
+    key, sep, text = item.partition("=")
+    if not sep or not key.strip():
+        raise error(f"command line: override {item!r} is not of the form key.sub=value")
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        value = text
+    return key.strip(), value
 
 
 def read_typed(tp: Any, value: Any, origin: Callable[[str], str], error: type[Exception] = ValueError,

@@ -74,9 +74,9 @@ def test_tokens_per_parameter_budget_and_warmup_share(tmp_path):
 @pytest.mark.parametrize("change, message", [
     ({"tokens": {"fixed": [1e5], "per_param": [20]}}, "exactly one of"),
     ({"tokens": {"fixed": [-1]}}, "positive"),
-    ({"sizes": {"w32": 32}}, "sizes.w32: expected a mapping"),
-    ({"families": {"gpt": {"flavour": "gpt-tiny"}}}, "unknown key 'flavour'"),
-    ({"nproc_per_node": "two"}, "nproc_per_node: expected int"),
+    ({"sizes": {"w32": 32}}, "sizes.w32 must be a mapping, got 32"),
+    ({"families": {"gpt": {"flavour": "gpt-tiny"}}}, "unknown key families.gpt.flavour (did you mean families.gpt.flavor?)"),
+    ({"nproc_per_node": "two"}, "nproc_per_node must be an integer, got 'two'"),
     ({"base_config": "no/such.yaml"}, "trainer config not found: no/such.yaml"),
     ({"families": {"gpt": {"flavor": "gpt-huge"}}}, "unknown model flavor 'gpt-huge'"),
     ({"sizes": {"w": {"n_embdd": 8}}}, "'n_embdd' is not a field"),

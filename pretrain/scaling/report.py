@@ -28,6 +28,7 @@ from pretrain.scaling.analysis import (EXPONENTS, Comparison, FamilyAnalysis, Po
 from pretrain.scaling.fit import MIN_POINTS, FitResult, TooFewPoints, fit_power_law, rate_difference
 from pretrain.scaling.joint import percentile_interval
 from pretrain.scaling.registry import Registry, find_run_dirs, load_registry
+from pretrain.fileio import markdown_table
 from pretrain.summary import RunRecord
 
 METRICS = ("best_val_loss", "final_val_loss", "final_train_loss")
@@ -392,41 +393,38 @@ def to_markdown(analysis: Analysis, ci_level: float = 0.95) -> str:
     out = []
     if analysis.curves:
         out.append("### Axes (e.g. learning rate) within each cell\n")
-        out.append("| group | cell | axis | values: metric | best | on the grid's edge |")
-        out.append("|---|---|---|---|---|---|")
-        for c in analysis.curves:
-            values = ", ".join(f"{v:g}: {m:.4f}" if isinstance(v, float) else f"{v}: {m:.4f}"
-                               for v, m in c.values)
-            out.append(f"| {c.group} | {c.cell} | {c.key} | {values} | {c.best} | "
-                       f"{'yes' if c.at_edge else 'no'} |")
+        out.append(markdown_table([{
+            "group": c.group, "cell": c.cell, "axis": c.key,
+            "values: metric": ", ".join(f"{v:g}: {m:.4f}" if isinstance(v, float) else f"{v}: {m:.4f}"
+                                        for v, m in c.values),
+            "best": c.best, "on the grid's edge": "yes" if c.at_edge else "no"} for c in analysis.curves]))
         edge = sum(c.at_edge for c in analysis.curves)
         out.append(f"\n{edge} of {len(analysis.curves)} cells have their best value on the "
                    "edge of the grid: there the optimum may lie outside it.\n")
 
     out.append("### One-variable power laws\n")
-    out.append("| group | law | points | E | A | alpha | log-log slope | slope vs baseline "
-               "| notes |")
-    out.append("|" + "---|" * 9)
+    law_rows = []
     for row in table_rows(analysis.laws):
         base = analysis.baselines.get(row["group"])
         rate = "baseline" if base == row["group"] and "slope" in row else \
             _fmt(row, "slope_vs_baseline", True) + (f" ({base})" if "slope_vs_baseline" in row
                                                      else "")
-        out.append(f"| {row['group']} | {row['law']} | {row['points']} | {_fmt(row, 'E')} | "
-                   f"{_fmt(row, 'A')} | {_fmt(row, 'alpha')} | {_fmt(row, 'slope')} | "
-                   f"{rate} | {row['notes']} |")
+        law_rows.append({"group": row["group"], "law": row["law"], "points": row["points"],
+                         "E": _fmt(row, "E"), "A": _fmt(row, "A"), "alpha": _fmt(row, "alpha"),
+                         "log-log slope": _fmt(row, "slope"), "slope vs baseline": rate,
+                         "notes": row["notes"]})
+    if law_rows:
+        out.append(markdown_table(law_rows))
     out.append(f"\nL = E + A x^-alpha; the log-log slope is the exponent of L = A x^-slope; "
                "slope vs baseline = (slope - slope_base) / slope_base.\n")
 
     rows = isoflop_rows(analysis)
     if rows:
         out.append("### IsoFLOP parabolas (approach 2)\n")
-        out.append("| group | C | runs | N* | D* | L* | N* inside the sizes |")
-        out.append("|---|---|---|---|---|---|---|")
-        for r in rows:
-            out.append(f"| {r['group']} | {r['budget']:.3g} | {r['runs']} | {r['n_opt']:.4g} | "
-                       f"{r['d_opt']:.4g} | {r['loss_opt']:.4f} | "
-                       f"{'yes' if r['inside'] else 'no'} |")
+        out.append(markdown_table([{
+            "group": r["group"], "C": f"{r['budget']:.3g}", "runs": r["runs"], "N*": f"{r['n_opt']:.4g}",
+            "D*": f"{r['d_opt']:.4g}", "L*": f"{r['loss_opt']:.4f}",
+            "N* inside the sizes": "yes" if r["inside"] else "no"} for r in rows]))
         fits = [(g, f) for g, f in sorted(analysis.families.items()) if f.n_opt_law]
         for group, family in fits:
             out.append(f"\n{group}: N*(C) = {family.n_opt_law.scale:.3g} C^"
@@ -439,37 +437,32 @@ def to_markdown(analysis: Analysis, ci_level: float = 0.95) -> str:
     rows = joint_rows(analysis)
     if rows:
         out.append("### Joint law L(N, D) = E + A / N^alpha + B / D^beta (approach 3)\n")
-        out.append("| group | runs | E | A | alpha | B | beta | FLOPs/token ~ N^k | "
-                   "N* ~ C^a | D* ~ C^b |")
-        out.append("|" + "---|" * 10)
-        for r in rows:
-            out.append(f"| {r['group']} | {r['runs']} | " + " | ".join(
-                _fmt(r, k) for k in ("E", "A", "alpha", "B", "beta")) +
-                f" | {r['flops_per_token_exponent']:.3f} | {_fmt(r, 'n_opt_exponent')} | "
-                f"{_fmt(r, 'd_opt_exponent')} |")
+        out.append(markdown_table([{
+            "group": r["group"], "runs": r["runs"], **{k: _fmt(r, k) for k in ("E", "A", "alpha", "B", "beta")},
+            "FLOPs/token ~ N^k": f"{r['flops_per_token_exponent']:.3f}", "N* ~ C^a": _fmt(r, "n_opt_exponent"),
+            "D* ~ C^b": _fmt(r, "d_opt_exponent")} for r in rows]))
         out.append("\nHuber loss on log L, variable projection over (alpha, beta); N* and D* "
                    "minimise L(N, C / flops_per_token(N)) with each family's own FLOPs per "
                    "token (a power of N through its runs), exponents over its compute range.\n")
 
     if analysis.comparisons:
         out.append("### Compute-equivalent gain against the baseline\n")
-        out.append("| group | baseline | C | gain |")
-        out.append("|---|---|---|---|")
-        for r in gain_rows(analysis):
-            out.append(f"| {r['group']} | {r['baseline']} | {r['budget']:.3g} | "
-                       f"{_fmt(r, 'gain')} |")
+        gains = [{"group": r["group"], "baseline": r["baseline"], "C": f"{r['budget']:.3g}",
+                  "gain": _fmt(r, "gain")} for r in gain_rows(analysis)]
+        if gains:
+            out.append(markdown_table(gains))
         out.append("\nGain = the compute the baseline needs to reach the family's compute-"
                    "optimal loss at C, over C (> 1: the family needs less compute); from the "
                    "joint laws' frontiers; '-' where the baseline does not reach that loss "
                    "within 1000x the compute.\n")
-        out.append("| group | baseline | exponent | group's value | minus baseline's |")
-        out.append("|---|---|---|---|---|")
+        exponent_rows = []
         for comp in analysis.comparisons:
             for name in EXPONENTS:
                 value, delta, (lo, hi) = comp.exponents[name]
                 interval = "" if math.isnan(lo) else f" [{lo:+.3g}, {hi:+.3g}]"
-                out.append(f"| {comp.group} | {comp.baseline} | {name} | {value:.4g} | "
-                           f"{delta:+.4g}{interval} |")
+                exponent_rows.append({"group": comp.group, "baseline": comp.baseline, "exponent": name,
+                                      "group's value": f"{value:.4g}", "minus baseline's": f"{delta:+.4g}{interval}"})
+        out.append(markdown_table(exponent_rows))
         out.append("\nalpha, beta: the joint law's exponents; compute_slope: the mean log-log "
                    "slope of its frontier L*(C) over both families' compute range (the "
                    "scaling rate in compute).\n")

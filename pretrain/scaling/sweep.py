@@ -23,6 +23,7 @@ from typing import Any
 import yaml
 
 from pretrain.fileio import atomic_write_text
+from pretrain.typed import parse_override, read_typed
 from pretrain.scaling.registry import SUMMARY_FILE, SWEEP_FILE
 
 
@@ -159,7 +160,7 @@ def load_sweep(path: str | Path, overrides: list[str] = ()) -> Sweep:
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: the top level must be a mapping of keys to values")
     where = str(path) if not overrides else f"{path} with {' '.join(overrides)}"
-    sweep = _typed(Sweep, apply_overrides(raw, overrides), where)
+    sweep = read_typed(Sweep, apply_overrides(raw, overrides), lambda key: where)
     if not sweep.families:
         raise ValueError(f"{path}: families: give at least one group")
     budgets = sweep.tokens
@@ -199,14 +200,8 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     raw = dict(raw)
     sweep_fields = {f.name for f in dataclasses.fields(Sweep)}
     for item in overrides:
-        key, sep, text = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"command line: override {item!r} is not of the form key.sub=value")
-        try:
-            value = yaml.safe_load(text)
-        except yaml.YAMLError:
-            value = text
-        parts = key.strip().split(".")
+        key, value = parse_override(item)
+        parts = key.split(".")
         if parts[0] not in sweep_fields:
             parts = ["overrides", key]
         _set(raw, parts, value, Sweep, key)
@@ -236,55 +231,6 @@ def _set(node: dict[str, Any], parts: list[str], value: Any, tp: Any, key: str) 
     child = dict(child) if isinstance(child, dict) else {}
     node[head] = child
     _set(child, rest, value, child_tp, key)
-
-
-def _typed(tp: Any, value: Any, where: str) -> Any:
-    """`value` (parsed YAML) checked against the type annotation `tp`, dataclasses built."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        (tp,) = [a for a in args if a is not type(None)]
-        return _typed(tp, value, where)
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise ValueError(f"{where}: expected a mapping, got {value!r}")
-        hints = typing.get_type_hints(tp)
-        fields = {f.name: f for f in dataclasses.fields(tp)}
-        unknown = sorted(set(value) - set(fields))
-        if unknown:
-            raise ValueError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(fields)})")
-        for name, f in fields.items():
-            if name not in value and f.default is f.default_factory is dataclasses.MISSING:
-                raise ValueError(f"{where}: missing key {name!r}")
-        return tp(**{k: _typed(hints[k], v, f"{where}: {k}") for k, v in value.items()})
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ValueError(f"{where}: expected a mapping, got {value!r}")
-        return {k: _typed(args[1], v, f"{where}.{k}") for k, v in value.items()}
-    if origin is list:
-        if not isinstance(value, list):
-            raise ValueError(f"{where}: expected a list, got {value!r}")
-        return [_typed(args[0], v, f"{where}[{i}]") for i, v in enumerate(value)]
-    if tp is Any:
-        return value
-    # YAML reads 2e5 as a string (no dot); accept numeric strings where a number is expected.
-    if tp is float and isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            pass
-    ok = isinstance(value, tp) and not isinstance(value, bool) or (
-        tp is float and isinstance(value, int) and not isinstance(value, bool))
-    if not ok:
-        raise ValueError(f"{where}: expected {tp.__name__}, got {value!r}")
-    return float(value) if tp is float else value
-
-
-DATASETS = ("peek", "check", "prepare")
-"""What `expand` does about each run's dataset: read its manifest if it is there ("peek"),
-require it ("check"), or prepare it first from the config's `data.source` as the trainer would
-("prepare"; without a source it must be there)."""
 
 
 def model_figures(cfg, dataset_vocab_size: int | None) -> tuple[int, float | None]:
