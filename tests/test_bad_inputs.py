@@ -72,6 +72,14 @@ def prepare(*args: str) -> tuple[str, list[str]]:
     return "data_pipeline.prepare", list(args)
 
 
+def sample(source: str, *args: str) -> tuple[str, list[str]]:
+    return "pretrain.sample", [source, "--prompt", "Once", *args]
+
+
+def evaluate(source: str, *args: str) -> tuple[str, list[str]]:
+    return "pretrain.evaluate", [source, *args]
+
+
 CASES = {
     # the trainer's config: file, YAML, keys, types, values, combinations
     "config file missing": (train("--config", "no/such.yaml"), "config file not found"),
@@ -139,6 +147,27 @@ CASES = {
                                 "no such run directory"),
     "export of a run without checkpoint": (("pretrain.export", ["{empty_run}", "--out", "{root}/m.safetensors"]),
                                            "no complete checkpoint found"),
+    "Hugging Face export of a missing run": (("pretrain.export", ["{root}/nothing", "--format", "hf", "--out", "{root}/hf"]),
+                                             "no such run directory"),
+    # sampling
+    "sample from a missing run": (sample("{root}/nothing"), "no such run directory"),
+    "sample without a prompt": (("pretrain.sample", ["{root}/nothing"]), "give a prompt"),
+    "sample top-p above one": (sample("{empty_run}", "--top-p", "2"), "--top-p must be in (0, 1]"),
+    "sample top-p zero": (sample("{empty_run}", "--top-p", "0"), "--top-p must be in (0, 1]"),
+    "sample negative temperature": (sample("{empty_run}", "--temperature", "-1"), "--temperature must be >= 0"),
+    "sample zero tokens": (sample("{empty_run}", "--max-new-tokens", "0"), "--max-new-tokens must be >= 1"),
+    "sample top-k zero": (sample("{empty_run}", "--top-k", "0"), "--top-k must be >= 1"),
+    "sample zero samples": (sample("{empty_run}", "--num-samples", "0"), "--num-samples must be >= 1"),
+    "sample with an unknown dtype": (sample("{empty_run}", "--dtype", "fp8"), "invalid choice: 'fp8'"),
+    # downstream evaluation
+    "evaluate an unknown task": (evaluate("{empty_run}", "--tasks", "bogus"), "unknown task 'bogus'"),
+    "evaluate with limit zero": (evaluate("{empty_run}", "--tasks", "core", "--limit", "0"), "must be >= 1"),
+    "evaluate zero think steps": (evaluate("{empty_run}", "--tasks", "core", "--think-steps", "0"), "step counts must be >= 1"),
+    "evaluate best of zero": (evaluate("{empty_run}", "--tasks", "core", "--best-of", "0"), "must be >= 1"),
+    "evaluate batch size zero": (evaluate("{empty_run}", "--tasks", "core", "--batch-size", "0"), "must be >= 1"),
+    "evaluate a missing checkpoint": (evaluate("{empty_run}", "--tasks", "core", "--checkpoint", "5"),
+                                      "no complete checkpoint step_00000005"),
+    "evaluate a missing run": (evaluate("{root}/nothing", "--tasks", "core"), "no such run directory"),
     # scaling
     "sweep file missing": (("pretrain.scaling", ["run", "{root}/nosweep.yaml"]), "nosweep.yaml"),
     "fit of a missing directory": (("pretrain.scaling", ["fit", "{root}/nothing"]), "nothing"),
