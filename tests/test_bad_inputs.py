@@ -17,6 +17,16 @@ from pretrain.config import load_config
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
+@pytest.fixture(autouse=True)
+def restored_environment(monkeypatch):
+    """The commands run in this process, and the trainer's fill in the variables torch.distributed
+    reads (a free MASTER_PORT among them): later tests' child processes must not inherit them."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                 "TORCH_EXTENSIONS_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    yield
+
+
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> dict:
     """A prepared dataset, a base config pointing at it, and run directories holding

@@ -50,12 +50,12 @@ def test_thinking_figure_shows_a_tiny_best_of_n_difference_as_flat():
     from pretrain.scaling.plots import pyplot
 
     losses = [7.125, 6.029, 5.760, 5.923, 5.794, 5.909]
-    steps_rows = [{"steps": k + 1, "val_loss": v, "final_energy": -2.0}
-                  for k, v in enumerate(losses)]
-    best_rows = [{"best_of": n, "val_loss": v} for n, v in ((1, 5.7597), (2, 5.7596),
-                                                              (4, 5.7594))]
+    steps_rows = [{"steps": k + 1, "val_loss": v, "final_energy": -2.0, "eval_noise": noise}
+                  for k, v in enumerate(losses) for noise in ("off", "on")]
+    best_rows = [{"best_of": n, "val_loss": v, "eval_noise": noise}
+                 for n, v in ((1, 5.7597), (2, 5.7596), (4, 5.7594)) for noise in ("off", "on")]
     figure = _figure(steps_rows, best_rows, (2, 3))
-    ax_steps, ax_best = figure.axes[:2]  # (then the energy twin of the steps panel)
+    ax_steps, _, ax_best = figure.axes  # steps, energy, best-of-N panels
     figure.canvas.draw()
     low, high = ax_best.get_ylim()
     assert (low, high) == ax_steps.get_ylim() and high - low > 1.0
