@@ -500,8 +500,8 @@ class _ArgumentParser(argparse.ArgumentParser):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _ArgumentParser(prog="python -m data_pipeline.prepare",
-                             description=__doc__.split("\n\n")[0])
+    parser = _ArgumentParser(prog="python -m data_pipeline.prepare", description=__doc__.split("\n\n")[0],
+                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--source", required=True,
                         help="openwebtext | shakespeare | listops | hf:NAME[:CONFIG] | "
                              "text:PATH | jsonl:PATH | parquet:PATH (file, directory or glob)")
@@ -519,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="replace a different dataset already in --out, or rebuild one "
                              "whose source changed")
     parser.add_argument("--compression", default=None,
-                        help="MDS shard compression, e.g. zstd (default: none)")
+                        help="MDS shard compression, e.g. zstd")
     parser.add_argument("--skip-bad-lines", action="store_true",
                         help="skip (and count) jsonl lines that are not JSON or lack the field")
     parser.add_argument("--text-field", default="text",

@@ -85,6 +85,9 @@ def find_trained_checkpoint(source: str | Path) -> Path:
         raise LoadError(f"{source}: no complete checkpoint found (a run directory, one of its "
                         "ckpt/step_* directories, an exported .safetensors file or an exported Hugging Face "
                         "directory is expected)")
+    _, damage = checkpoint.check_intact(tag_dir)
+    if damage:
+        raise LoadError(f"{source}: checkpoint {tag_dir.name} is damaged: {', '.join(damage)}")
     return tag_dir
 
 

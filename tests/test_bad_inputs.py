@@ -155,6 +155,8 @@ CASES = {
     # exporting
     "export of a missing run": (("pretrain.export", ["{root}/nothing", "--out", "{root}/m.safetensors"]),
                                 "no such run directory"),
+    "export of a damaged checkpoint": (("pretrain.export", ["{runs}/torn", "--out", "{root}/m.safetensors"]),
+                                       "checkpoint step_00000004 is damaged"),
     "export of a run without checkpoint": (("pretrain.export", ["{empty_run}", "--out", "{root}/m.safetensors"]),
                                            "no complete checkpoint found"),
     "Hugging Face export of a missing run": (("pretrain.export", ["{root}/nothing", "--format", "hf", "--out", "{root}/hf"]),
@@ -206,6 +208,23 @@ def test_bad_input_is_one_line(world, case, capsys):
     errors = [line for line in lines if "error: " in line]
     assert len(errors) == 1 and lines[-1] == errors[0], f"{case}:\n{err[-3000:]}"
     assert expected in errors[0], f"{case}: {errors[0]!r} lacks {expected!r}"
+
+
+def test_prepare_help_shows_the_defaults(capsys):
+    assert run_main("data_pipeline.prepare", ["--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: 0.0005)" in text and "(default: 1024)" in text  # --val-fraction, --seq-len
+
+
+def test_the_demo_prints_a_tensorboard_command_that_runs():
+    import shlex
+    import subprocess
+
+    from pretrain.demo import tensorboard_command
+
+    result = subprocess.run([*shlex.split(tensorboard_command()), "--version_tb"], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip(), result.stderr[-2000:]
 
 
 def test_a_mostly_unused_vocabulary_is_an_explicit_warning(world, capsys):

@@ -14,6 +14,7 @@ import torch
 
 import trainer_runs as runs
 from pretrain.config import load_config
+from pretrain.evaluate import PROMPT_END
 
 MATRIX = runs.matrix_cells()
 
@@ -108,6 +109,8 @@ def test_tensorboard_holds_the_listed_scalars(matrix, family):
         curve = [series(f"eval/think_loss/step_{k:02d}")[n] for k in (1, 2, 3)]
         assert all(math.isfinite(x) for x in curve)
     assert "eval/sample/text_summary" in events.Tags()["tensors"]  # the text sample
+    (sample,) = events.Tensors("eval/sample/text_summary")
+    assert PROMPT_END.encode() in sample.tensor_proto.string_val[0]  # where the model's text begins
     # hyperparameters through the hparams plugin
     plugin = events.PluginTagToContent("hparams")
     assert plugin and any(b"model.flavor" in content for content in plugin.values())
