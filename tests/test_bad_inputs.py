@@ -157,6 +157,8 @@ CASES = {
                                 "no such run directory"),
     "export of a damaged checkpoint": (("pretrain.export", ["{runs}/torn", "--out", "{root}/m.safetensors"]),
                                        "checkpoint step_00000004 is damaged"),
+    "export onto a directory that holds files": (("pretrain.export", ["{runs}/done", "--out", "{occupied}"]),
+                                                 "already holds files; pass --overwrite"),
     "export of a run without checkpoint": (("pretrain.export", ["{empty_run}", "--out", "{root}/m.safetensors"]),
                                            "no complete checkpoint found"),
     "Hugging Face export of a missing run": (("pretrain.export", ["{root}/nothing", "--format", "hf", "--out", "{root}/hf"]),
