@@ -280,3 +280,12 @@ def test_guarded_adamw_skips_non_finite_and_clips_like_torch():
         assert torch.nn.utils.get_total_norm([w.grad for w in weights]).item() == pytest.approx(0.5)
         assert all(torch.allclose(w, r) for w, r in zip(weights, reference))
     assert guarded.state[weights[0]]["step"] == 2
+
+
+def test_a_dataset_named_on_the_command_line_is_used_as_prepared():
+    """data.path=DIR on the command line drops the config's own preparation settings (they
+    describe its default dataset), unless the command line also gives some of them."""
+    tiny = REPO / "configs" / "tiny" / "gpt.yaml"
+    assert load_config(tiny).data.source == "shakespeare"
+    assert load_config(tiny, ["data.path=mine"]).data.source is None
+    assert load_config(tiny, ["data.path=mine", "data.tokenizer=char"]).data.source == "shakespeare"
