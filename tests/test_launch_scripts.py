@@ -67,7 +67,9 @@ def slurm_env(tmp_path):
     for name, body in [("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL),
                        ("scancel", FAKE_SCANCEL), ("fake-python", FAKE_PYTHON)]:
         _install(bin_dir, name, body)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "NNODES", "NODE_RANK"))}
+    # nothing of the test process's own launch variables (an in-process test may have set them)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(
+        ("SLURM_", "NNODES", "NODE_RANK", "MASTER_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"))}
     env.update({
         "PATH": f"{bin_dir}:{env['PATH']}",
         "RECORD_DIR": str(record_dir),
