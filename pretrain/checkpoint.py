@@ -388,7 +388,9 @@ class CheckpointManager:
         self.cfg = cfg
         self.rank, self.world_size = rank, world_size
         self.ckpt_dir = cfg.run_dir / "ckpt"
-        self.resume_from: tuple[Path, Marker] | None = None
+        self.resume_from: tuple[Path, Marker, bool] | None = None
+        """The checkpoint `resume_point` chose, its marker and whether it loads through its
+        universal form."""
 
     # -- before any work
 
@@ -439,12 +441,11 @@ class CheckpointManager:
                 raise ConfigError(f"{key}={show(now)!r} differs from the checkpoint {candidate} "
                                   f"({show(before)!r}); start a new run (another run_name, or "
                                   "resume=restart to move this one aside)")
-        try:  # a ZeRO stage change that cannot be converted fails here, before any work
-            needs_universal(marker.world_size, marker.config.zero.stage, self.world_size,
-                            cfg.zero.stage, candidate)
+        try:  # decided once; a ZeRO stage change that cannot be converted fails here, before any work
+            universal = self._needs_universal(candidate, marker)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        self.resume_from = (candidate, marker)
+        self.resume_from = (candidate, marker, universal)
         return candidate
 
     def _move_run_aside(self) -> None:
@@ -464,7 +465,7 @@ class CheckpointManager:
         refuse even then a vocabulary the model's embeddings do not fit."""
         if self.resume_from is None:
             return
-        tag_dir, marker = self.resume_from
+        tag_dir, marker, _ = self.resume_from
         cfg = self.cfg
         if marker.data is None or marker.data == data:
             return
@@ -517,8 +518,8 @@ class CheckpointManager:
         """Restore the checkpoint `resume_point` chose (None for a fresh start). Collective."""
         if self.resume_from is None:
             return None
-        tag_dir, marker = self.resume_from
-        return self._restore(engine, tag_dir, marker, describe=True)
+        tag_dir, marker, universal = self.resume_from
+        return self._restore(engine, tag_dir, marker, universal, describe=True)
 
     def reload_newest(self, engine) -> ResumeState | None:
         """Restore the newest intact checkpoint (after repeated non-finite updates); None if there
@@ -527,12 +528,15 @@ class CheckpointManager:
             if is_complete(tag_dir):
                 marker, damage = check_intact(tag_dir)
                 if not damage:
-                    return self._restore(engine, tag_dir, marker, describe=False)
+                    return self._restore(engine, tag_dir, marker, self._needs_universal(tag_dir, marker),
+                                         describe=False)
         return None
 
-    def _restore(self, engine, tag_dir: Path, marker: Marker, describe: bool) -> ResumeState:
-        universal = needs_universal(marker.world_size, marker.config.zero.stage, self.world_size,
-                                    self.cfg.zero.stage, tag_dir)
+    def _needs_universal(self, tag_dir: Path, marker: Marker) -> bool:
+        return needs_universal(marker.world_size, marker.config.zero.stage, self.world_size,
+                               self.cfg.zero.stage, tag_dir)
+
+    def _restore(self, engine, tag_dir: Path, marker: Marker, universal: bool, describe: bool) -> ResumeState:
         client_state = load_engine_state(engine, tag_dir, universal)
         train_state = client_state["train_state"]
         same_world = marker.world_size == self.world_size
