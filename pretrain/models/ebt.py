@@ -1,5 +1,6 @@
 """Energy-Based Transformer (EBT) for autoregressive language modelling: "Energy-Based Transformers
-are Scalable Learners and Thinkers" (arXiv 2507.02092), as its released code computes it.
+are Scalable Learners and Thinkers" (arXiv 2507.02092; section numbers below are those of v1), as
+its released code computes it.
 
 A Llama-style transformer scores a candidate distribution over the next token with one scalar
 energy per position. The prediction is found by gradient descent on the candidate:
@@ -10,11 +11,14 @@ energy per position. The prediction is found by gradient descent on the candidat
     y_{t+1} = p_t - alpha * dE_t/dp_t       (autograd.grad, with create_graph in training)
 
 and training backpropagates the next-token cross entropy of log_softmax(y_{t+1}) through the
-descent (second order). The backbone runs two streams with the same weights: the observed tokens
+descent (second order): Sec. 3.2, Eq. (1) and Algorithm 1 (the paper writes the gradient w.r.t.
+the logits, see `grad_wrt`). The landscape regularisers (replay buffer, Langevin noise,
+randomised step size and step count) are Sec. 3.3, Eq. (2); thinking longer and best-of-N
+self-verification (`think`) are Sec. 3.3 and Algorithm 2. The backbone runs two streams with the same weights: the observed tokens
 with ordinary causal attention, and one predicted row per position i that attends to observed
 tokens 0..i and to itself only (never to observed token i+1, its target, nor to other
-predictions). Row i takes the rotary position of the token it predicts, i + 1 (as the released
-code). Without step conditioning the observed stream does not depend on the candidate: its keys
+predictions): Sec. 3.4 and Appendix C.3, Eq. (3). Row i takes the rotary position of the token it
+predicts, i + 1 (as the released code). Without step conditioning the observed stream does not depend on the candidate: its keys
 and values are computed once per batch and every descent step runs only the predicted rows.
 
 `EnergyDescent` holds every parameter and runs the whole loop, so DeepSpeed ZeRO-3 can gather it
@@ -597,8 +601,8 @@ class EBT(LanguageModel):
 
         S1 (2 steps) with reuse is 12 P + 3 O, about 5x a Transformer++ training step (3x its
         forward); recomputing O per step (time_embed) gives 12 P + 6 O, about 6x. The paper
-        counts 6.66x for S1 (a full 2T forward per step); at inference one step costs ~2x a
-        forward with reuse (paper: 3.33x)."""
+        counts 6.66x for S1 (a full 2T forward per step; Appendix D.5); at inference one step
+        costs ~2x a forward with reuse (paper: 3.33x)."""
         cfg = self.config
         D = cfg.n_embd
         observed_rows = (seq_len + cfg.n_prefix) / seq_len
@@ -620,7 +624,7 @@ class EBT(LanguageModel):
 register_family("ebt", EBTConfig, EBT)
 
 # The paper's recipes at "small" (12L/768/12h; 126.8M with the two V x D tables at V=50304), as the
-# released scripts. S1: a step embedding per step, 2 steps, learnable alpha 500 with LR x1500,
+# released scripts (the S1/S2 kinds: Appendix C.2; their hyperparameters: Tables D.3 and D.4). S1: a step embedding per step, 2 steps, learnable alpha 500 with LR x1500,
 # detach, mean CE. S2 (`--mcmc_num_steps 1 --randomize_mcmc_num_steps 2 --randomize_mcmc_num_steps_min
 # 2`): one step embedding shared by 2..3 steps (3 at eval), so every step descends one landscape and
 # the observed stream is computed once; fixed alpha 5 randomised in [2.5, 10]; Langevin noise 3,

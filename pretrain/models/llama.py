@@ -1,5 +1,6 @@
 """The Llama-style backbone of the EBT paper (pre-RMSNorm, SwiGLU MLP, rotary positions, no
-biases) and Transformer++, the plain causal LM on it: the EBT paper's baseline (arXiv 2507.02092).
+biases) and Transformer++, the plain causal LM on it: the EBT paper's baseline (arXiv 2507.02092
+v1, Sec. 4.1 and Table D.2).
 
 `Block` is shared with EBT (`ebt.py`), which runs the same weights over two streams by passing
 its own attention function."""

@@ -51,7 +51,9 @@ class NRGPTConfig(LMConfig):
     ff_hidden_factor: int = 4
     """Hidden width of the FF energy as a multiple of D."""
     eta: str = "full"
-    """Inference rate: "full" (learned D x D), "diag_gamma" (c diag(gamma)) or "scalar" (c I)."""
+    """Inference rate: "full" (learned D x D), "diag_gamma" (c diag(gamma)) or "scalar" (c I).
+    With "diag_gamma" the update provably descends every token's own energy, for a small enough
+    c (the paper's Proposition 2.1, as numbered in its ICLR 2026 version)."""
     eta_init: float = 0.1
     """Initial c = softplus(raw) for eta "diag_gamma" / "scalar"."""
     eta_per_step: bool = False
