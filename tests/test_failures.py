@@ -1,7 +1,8 @@
 """Failures end in one clear line and lose no work: damaged checkpoints are detected and skipped,
 a resume onto other data is refused (or allowed deliberately), Ctrl-C saves, resume=restart
 moves a run aside, and bad launches under launch/torchrun.sh fail in one line with the
-trainer's exit code. Real runs of the trainer (one process unless the launcher is the point)."""
+trainer's exit code. Real runs of the trainer: its command line in this process, one rank, unless
+a signal or the launcher is the point."""
 from __future__ import annotations
 
 import json
@@ -25,10 +26,9 @@ SOURCE_STEPS = 8
 ONE_PROCESS = ["model.flavor=gpt-tiny", "zero.stage=1", f"train.max_steps={SOURCE_STEPS}"]
 
 
-def train(tmp_path: Path, name: str, *extra: str, nproc: int = 1, timeout: float = 300):
-    overrides = [*ONE_PROCESS, f"output_root={tmp_path}", f"run_name={name}", *extra]
-    return subprocess.run(runs.train_command(overrides, nproc), cwd=runs.REPO, env=runs.child_env(),
-                          capture_output=True, text=True, timeout=timeout)
+def train(tmp_path: Path, name: str, *extra: str) -> subprocess.CompletedProcess:
+    """A one-process run of the trainer's command line (in this process: see `train_here`)."""
+    return runs.train_here([*ONE_PROCESS, f"output_root={tmp_path}", f"run_name={name}", *extra])
 
 
 def one_error_line(stderr: str) -> str:

@@ -134,9 +134,12 @@ def remove_leaked_shared_memory() -> None:
                 segment.unlink(missing_ok=True)
 
 
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def child_env(**extra: str) -> dict:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+    for name in LAUNCH_VARIABLES:
         env.pop(name, None)
     return {**env, **extra}
 
@@ -157,6 +160,33 @@ def torchrun_command(module_args: list[str], nproc: int = 2) -> list[str]:
 def train_command(overrides: list[str], nproc: int = 2) -> list[str]:
     args = ["-m", "pretrain.train", "--config", str(base_config_file()), *overrides]
     return torchrun_command(args, nproc) if nproc > 1 else [PYTHON, *args]
+
+
+def train_here(overrides: list[str]) -> subprocess.CompletedProcess:
+    """`python -m pretrain.train --config BASE OVERRIDES` run in this process as a world of one,
+    returned as its subprocess would be (exit code, stdout, stderr): the same trainer, without
+    an interpreter and DeepSpeed start-up per run. The launch variables the trainer fills in
+    are removed afterwards, so later child processes do not inherit them."""
+    import contextlib
+    import io
+
+    from pretrain.train import main
+
+    argv = ["--config", str(base_config_file()), *overrides]
+    saved = {name: os.environ.pop(name) for name in LAUNCH_VARIABLES if name in os.environ}
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(argv)
+    finally:
+        for name in LAUNCH_VARIABLES:
+            os.environ.pop(name, None)
+        os.environ.update(saved)
+        # DeepSpeed keeps its clone of the world group past destroy_process_group; the next run
+        # in this process would broadcast over the destroyed one.
+        from deepspeed.utils import groups
+        groups._WORLD_GROUP = None
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
 
 
 def run_dir(name: str) -> Path:
