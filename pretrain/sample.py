@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32")
     args = parser.parse_args(argv)
     try:
-        sample(args)
+        sample(args, sys.stdout, sys.stderr)
     except (SampleError, LoadError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

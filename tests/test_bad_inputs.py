@@ -17,16 +17,6 @@ from pretrain.config import load_config
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
-@pytest.fixture(autouse=True)
-def restored_environment(monkeypatch):
-    """The commands run in this process, and the trainer's fill in the variables torch.distributed
-    reads (a free MASTER_PORT among them): later tests' child processes must not inherit them."""
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                 "TORCH_EXTENSIONS_DIR"):
-        monkeypatch.delenv(name, raising=False)
-    yield
-
-
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> dict:
     """A prepared dataset, a base config pointing at it, and run directories holding
@@ -188,22 +178,12 @@ CASES = {
 }
 
 
-def run_main(module: str, argv: list[str]) -> int:
-    import importlib
-
-    main = importlib.import_module(module if module != "pretrain.scaling" else "pretrain.scaling.__main__").main
-    try:
-        return main(argv)
-    except SystemExit as exit_:  # argparse
-        return exit_.code if isinstance(exit_.code, int) else 1
-
-
 @pytest.mark.parametrize("case", list(CASES))
-def test_bad_input_is_one_line(world, case, capsys):
+def test_bad_input_is_one_line(world, case):
     (module, argv), expected = CASES[case]
     argv = [arg.format(**world) for arg in argv]
-    code = run_main(module, argv)
-    err = capsys.readouterr().err
+    result = runs.command_here(module, argv)
+    code, err = result.returncode, result.stderr
     assert code != 0, f"{case}: exit 0\n{err[-2000:]}"
     assert "Traceback" not in err, err[-3000:]
     lines = [line for line in err.splitlines() if line.strip() and not line.startswith(("warning:", "["))]
@@ -212,9 +192,10 @@ def test_bad_input_is_one_line(world, case, capsys):
     assert expected in errors[0], f"{case}: {errors[0]!r} lacks {expected!r}"
 
 
-def test_prepare_help_shows_the_defaults(capsys):
-    assert run_main("data_pipeline.prepare", ["--help"]) == 0
-    text = " ".join(capsys.readouterr().out.split())
+def test_prepare_help_shows_the_defaults():
+    result = runs.command_here("data_pipeline.prepare", ["--help"])
+    assert result.returncode == 0
+    text = " ".join(result.stdout.split())
     assert "(default: 0.0005)" in text and "(default: 1024)" in text  # --val-fraction, --seq-len
 
 
@@ -229,8 +210,8 @@ def test_the_demo_prints_a_tensorboard_command_that_runs():
     assert result.returncode == 0 and result.stdout.strip(), result.stderr[-2000:]
 
 
-def test_a_mostly_unused_vocabulary_is_an_explicit_warning(world, capsys):
-    code = run_main("pretrain.train", ["--check", "--config", str(world["config"]), "model.overrides.vocab_size=50304"])
-    err = capsys.readouterr().err
+def test_a_mostly_unused_vocabulary_is_an_explicit_warning(world):
+    result = runs.train_here(["--check", "model.overrides.vocab_size=50304"], world["config"])
+    code, err = result.returncode, result.stderr
     assert code == 0 and "warning: the model has 50304 embeddings" in err and "can never occur" in err
 

@@ -3,7 +3,6 @@ from a real training run (which also trains on a `data.mixture`)."""
 import json
 import math
 import os
-import subprocess
 
 import pytest
 import yaml
@@ -56,9 +55,7 @@ def test_training_on_a_mixture_logs_bits_per_byte(tmp_path):
               "checkpoint": {"interval": 0}}
     config_file = tmp_path / "mix.yaml"
     config_file.write_text(yaml.safe_dump(config))
-    done = subprocess.run([runs.PYTHON, "-m", "pretrain.train", "--config", str(config_file)],
-                          cwd=runs.REPO, env=runs.child_env(), capture_output=True, text=True,
-                          timeout=300)
+    done = runs.train_here([], config_file)
     assert done.returncode == 0, done.stderr[-3000:]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

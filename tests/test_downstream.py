@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -120,16 +119,18 @@ def trained_run(tmp_path_factory, tiny_dataset):
                  "data.micro_batch_size=2", "train.global_batch_size=2", "train.max_steps=2",
                  "eval.interval=2", "eval.batches=1", "eval.sample_tokens=0", "checkpoint.interval=2",
                  "zero.stage=0", f"eval.downstream.tasks=[{TASKS}]", f"eval.downstream.limit={LIMIT}"]
-    result = subprocess.run([sys.executable, "-m", "pretrain.train", "--config", "configs/tiny/gpt.yaml", *overrides],
-                            cwd=runs.REPO, env=runs.child_env(), capture_output=True, text=True, timeout=600)
+    result = runs.train_here(overrides, runs.REPO / "configs/tiny/gpt.yaml")
     assert result.returncode == 0, result.stderr[-3000:]
     return root / "gpt"
 
 
 def run_evaluate(args: list[str], nproc: int = 1) -> subprocess.CompletedProcess:
-    module = ["-m", "pretrain.evaluate", *map(str, args)]
-    command = runs.torchrun_command(module, nproc) if nproc > 1 else [sys.executable, *module]
-    return subprocess.run(command, cwd=runs.REPO, env=runs.child_env(), capture_output=True, text=True, timeout=600)
+    """The evaluate command: under torchrun for several ranks, else in this process."""
+    args = list(map(str, args))
+    if nproc == 1:
+        return runs.command_here("pretrain.evaluate", args)
+    return subprocess.run(runs.torchrun_command(["-m", "pretrain.evaluate", *args], nproc), cwd=runs.REPO,
+                          env=runs.child_env(), capture_output=True, text=True, timeout=600)
 
 
 def values(report_file: Path) -> dict[str, dict]:

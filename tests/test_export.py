@@ -22,8 +22,7 @@ def matrix():
 
 
 def run_export(run_name: str, out) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pretrain.export", str(runs.run_dir(run_name)), "--out", str(out)],
-                          cwd=runs.REPO, env=runs.child_env(), capture_output=True, text=True, timeout=120)
+    return runs.command_here("pretrain.export", [str(runs.run_dir(run_name)), "--out", str(out)])
 
 
 def logits(model: torch.nn.Module, idx: torch.Tensor) -> torch.Tensor:

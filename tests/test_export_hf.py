@@ -87,9 +87,8 @@ def run_exports(matrix, tmp_path_factory) -> dict[str, Path]:
     """The matrix's ZeRO-2 runs: ebt through the command line, gpt and nrgpt in this process."""
     root = tmp_path_factory.mktemp("runs")
     exports = {family: root / f"run-{family}" for family in runs.FAMILIES}
-    result = subprocess.run([sys.executable, "-m", "pretrain.export", str(runs.run_dir("ebt-z2")), "--format", "hf",
-                             "--out", str(exports["ebt"])], cwd=runs.REPO, env=runs.child_env(),
-                            capture_output=True, text=True, timeout=300)
+    result = runs.command_here("pretrain.export", [str(runs.run_dir("ebt-z2")), "--format", "hf",
+                                                   "--out", str(exports["ebt"])])
     assert result.returncode == 0, result.stderr[-3000:]
     for family in ("gpt", "nrgpt"):
         export_hf(load_trained(runs.run_dir(runs.reference_name(family, 2))), exports[family])
@@ -333,9 +332,8 @@ def test_training_from_an_export_starts_at_the_source_loss(run_exports):
         shutil.rmtree(runs.run_dir(name), ignore_errors=True)
     common = ["model.flavor=gpt-tiny", "zero.stage=0", "data.num_workers=0", "eval.sample_tokens=0",
               "checkpoint.interval=0", f"model.init_from={run_exports['gpt']}"]
-    result = subprocess.run(runs.train_command([*common, "run_name=from-export", "train.max_steps=1",
-                                                "optimizer.lr=1e-9", "schedule.min_lr=0"], nproc=1),
-                            cwd=runs.REPO, env=runs.child_env(), capture_output=True, text=True, timeout=300)
+    result = runs.train_here([*common, "run_name=from-export", "train.max_steps=1", "optimizer.lr=1e-9",
+                              "schedule.min_lr=0"])
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"init_from {run_exports['gpt']}: loaded" in result.stdout + result.stderr
     summary = json.loads((runs.run_dir("from-export") / "summary.json").read_text())
@@ -344,9 +342,7 @@ def test_training_from_an_export_starts_at_the_source_loss(run_exports):
     assert summary["final_val_loss"] == pytest.approx(expected, rel=1e-5)
     assert abs(summary["final_val_loss"] - val_loss(build(source.config).eval(), 2)) > 0.1  # not the initialisation
 
-    result = subprocess.run(runs.train_command([*common, "run_name=from-export-wide", "train.max_steps=1",
-                                                "model.overrides.n_embd=64"], nproc=1),
-                            cwd=runs.REPO, env=runs.child_env(), capture_output=True, text=True, timeout=300)
+    result = runs.train_here([*common, "run_name=from-export-wide", "train.max_steps=1", "model.overrides.n_embd=64"])
     assert result.returncode == 2
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("error: model.init_from: ") and "transformer." in last and "has shape" in last, last

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import io
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -156,17 +155,14 @@ def test_stream_printer_writes_as_tokens_arrive_and_holds_half_characters():
 # --- the command, end to end ------------------------------------------------------------------
 
 def command(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pretrain.sample", *args], cwd=runs.REPO, env=runs.child_env(),
-                          capture_output=True, text=True, timeout=120)
+    return runs.command_here("pretrain.sample", list(args))
 
 
 def train_tiny(flavor: str, steps: int) -> Path:
     """A tiny character-level run trained for `steps` steps in one process (block size 32)."""
     name = f"sample-{flavor}"
-    result = subprocess.run(runs.train_command([f"run_name={name}", f"model.flavor={flavor}", "zero.stage=0",
-                                                f"train.max_steps={steps}", f"checkpoint.interval={steps}",
-                                                "eval.sample_tokens=0"], nproc=1),
-                            env=runs.child_env(), cwd=runs.REPO, capture_output=True, text=True, timeout=600)
+    result = runs.train_here([f"run_name={name}", f"model.flavor={flavor}", "zero.stage=0",
+                              f"train.max_steps={steps}", f"checkpoint.interval={steps}", "eval.sample_tokens=0"])
     assert result.returncode == 0, result.stderr[-3000:]
     return runs.run_dir(name)
 

@@ -162,22 +162,24 @@ def train_command(overrides: list[str], nproc: int = 2) -> list[str]:
     return torchrun_command(args, nproc) if nproc > 1 else [PYTHON, *args]
 
 
-def train_here(overrides: list[str]) -> subprocess.CompletedProcess:
-    """`python -m pretrain.train --config BASE OVERRIDES` run in this process as a world of one,
-    returned as its subprocess would be (exit code, stdout, stderr): the same trainer, without
-    an interpreter and DeepSpeed start-up per run. The launch variables the trainer fills in
-    are removed afterwards, so later child processes do not inherit them."""
+def command_here(module: str, argv: list[str]) -> subprocess.CompletedProcess:
+    """`python -m MODULE ARGV` run in this process, returned as its subprocess would be (exit
+    code, stdout, stderr): the same command line, without an interpreter and DeepSpeed start-up
+    per run (most of a tiny run's time). A trainer runs as a world of one; the launch variables
+    it fills in are removed afterwards, so later child processes do not inherit them."""
     import contextlib
+    import importlib
     import io
 
-    from pretrain.train import main
-
-    argv = ["--config", str(base_config_file()), *overrides]
+    main = importlib.import_module(module if module != "pretrain.scaling" else "pretrain.scaling.__main__").main
     saved = {name: os.environ.pop(name) for name in LAUNCH_VARIABLES if name in os.environ}
     out, err = io.StringIO(), io.StringIO()
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = main(argv)
+            try:
+                code = main(argv)
+            except SystemExit as exit_:  # argparse
+                code = exit_.code if isinstance(exit_.code, int) else 1
     finally:
         for name in LAUNCH_VARIABLES:
             os.environ.pop(name, None)
@@ -186,7 +188,12 @@ def train_here(overrides: list[str]) -> subprocess.CompletedProcess:
         # in this process would broadcast over the destroyed one.
         from deepspeed.utils import groups
         groups._WORLD_GROUP = None
-    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
+    return subprocess.CompletedProcess([module, *argv], code, out.getvalue(), err.getvalue())
+
+
+def train_here(overrides: list[str], config: Path | None = None) -> subprocess.CompletedProcess:
+    """The trainer's command line on the base test config (or `config`) in this process."""
+    return command_here("pretrain.train", ["--config", str(config or base_config_file()), *overrides])
 
 
 def run_dir(name: str) -> Path:

@@ -15,7 +15,7 @@ import torch
 from pretrain.scaling import launch
 from pretrain.scaling.registry import RunRecord
 from pretrain.scaling.plots import pyplot
-from pretrain.scaling.sweep import RunSpec, Sweep, is_finished, load_sweep
+from pretrain.scaling.sweep import RunSpec, Sweep, load_sweep
 
 EVAL_FILE = "experiment_eval.json"
 MODEL_FILE = "model.safetensors"
@@ -33,27 +33,32 @@ class FinishedRun:
 
 def train_and_evaluate(path: str, key: str, evaluate: Callable[[RunSpec, Path], dict[str, Any]],
                        overrides: list[str] = ()) -> tuple[Sweep, list[FinishedRun]]:
-    """Train the sweep's runs (`overrides` applied to it) one by one, evaluating each as soon as
-    it has finished (with the code it was trained with) unless RUN_DIR/experiment_eval.json
-    already holds `key`."""
+    """Train the sweep's runs (`overrides` applied to it), `parallel_runs` at a time, then
+    evaluate each finished run once (with the code it was trained with) unless
+    RUN_DIR/experiment_eval.json already holds `key`."""
     sweep = load_sweep(path, overrides)
     if sweep.threads_per_process is not None:  # the evaluation here runs like the runs did
         torch.set_num_threads(sweep.threads_per_process)
     finished = []
-    # Smallest models first: every group advances together, and the costly runs come last.
-    planned = sorted(launch.plan(sweep, "prepare"), key=lambda item: item[0].non_embedding_params)
-    for i, (run, config_path) in enumerate(planned, 1):
-        rc = 0 if is_finished(sweep, run) else launch.train_run(sweep, run, config_path,
-                                                                f"[{i}/{len(planned)}]")
-        if rc != 0:
-            raise launch.SweepFailed(f"sweep {sweep.name} stopped at {run.run_name} (exit code "
-                                     f"{rc}); rerun the same command to resume it")
+    for run in train_sweep(sweep, lambda run: run.non_embedding_params):
         run_dir = sweep.directory / run.run_name
         summary = json.loads((run_dir / "summary.json").read_text())
         evaluation = cached(run_dir, key, lambda: evaluate(run, run_dir))
         finished.append(FinishedRun(run, RunRecord.from_dict(summary, str(run_dir)), run_dir,
                                     evaluation))
     return sweep, finished
+
+
+def train_sweep(sweep: Sweep, cost: Callable[[RunSpec], float]) -> list[RunSpec]:
+    """Train the sweep's unfinished runs, `parallel_runs` at a time, cheapest by `cost` first (so
+    every group advances together and the costly runs come last); its runs in that order, or
+    SweepFailed when one did not finish (a rerun resumes)."""
+    planned = sorted(launch.plan(sweep, "prepare"), key=lambda item: cost(item[0]))
+    rc = launch.run_locally(sweep, planned)
+    if rc != 0:
+        raise launch.SweepFailed(f"sweep {sweep.name} did not finish (exit code {rc}); rerun "
+                                 "the same command to resume it")
+    return [run for run, _ in planned]
 
 
 def trained_model(run_dir: Path) -> torch.nn.Module:
@@ -64,6 +69,15 @@ def trained_model(run_dir: Path) -> torch.nn.Module:
     if not path.is_file():
         export(run_dir, path)
     return load(path).eval()
+
+
+def scalar_curve(run_dir: Path, tag: str) -> list[tuple[int, float]]:
+    """(step, value) of a scalar the run logged to RUN_DIR/tb, in step order."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0})
+    events.Reload()
+    return sorted((e.step, e.value) for e in events.Scalars(tag))
 
 
 def cached(run_dir: Path, key: str, compute: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -92,10 +106,10 @@ def mean_loss(model: torch.nn.Module, data_dir: str, split: str, batches: int,
     return sum(losses) / len(losses)
 
 
-def write_results(sweep: Sweep, name: str, markdown: str, rows: list[dict[str, Any]],
+def write_results(directory: Path, name: str, markdown: str, rows: list[dict[str, Any]],
                   figure) -> Path:
-    """SWEEP_DIR/results/<name>.{md,csv,png}; returns the directory."""
-    out = sweep.directory / "results"
+    """DIRECTORY/results/<name>.{md,csv,png} (DIRECTORY: the sweep's); returns the folder."""
+    out = directory / "results"
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.md").write_text(markdown)
     buffer = io.StringIO()

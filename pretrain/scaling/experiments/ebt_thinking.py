@@ -90,7 +90,7 @@ def main(overrides: list[str] = ()) -> int:
                 f"is that of the final candidate (without noise).\n\n"
                 + markdown_table(steps_rows, fmt) + "\n" + markdown_table(best_rows, fmt))
     figure = _figure(steps_rows, best_rows, (curves["train_min_steps"], train_steps))
-    write_results(sweep, "ebt_thinking", markdown, steps_rows + best_rows, figure)
+    write_results(sweep.directory, "ebt_thinking", markdown, steps_rows + best_rows, figure)
     return 0
 
 

@@ -9,7 +9,8 @@ and resumes an interrupted one); the fit outputs go to SWEEP_DIR/fit/.
 """
 from __future__ import annotations
 
-from pretrain.scaling import launch, report
+from pretrain.scaling import report
+from pretrain.scaling.experiments.common import train_sweep
 from pretrain.scaling.sweep import load_sweep
 
 SWEEP = "configs/scaling/isoflop.yaml"
@@ -17,11 +18,6 @@ SWEEP = "configs/scaling/isoflop.yaml"
 
 def main(overrides: list[str] = ()) -> int:
     sweep = load_sweep(SWEEP, overrides)
-    # Smallest budgets first: every family advances together, and the costly runs come last.
-    planned = sorted(launch.plan(sweep, "prepare"), key=lambda item: item[0].flops_budget)
-    rc = launch.run_locally(sweep, planned)
-    if rc != 0:
-        raise launch.SweepFailed(f"sweep {sweep.name} did not finish (exit code {rc}); rerun "
-                                 "the same command to resume it")
+    train_sweep(sweep, lambda run: run.flops_budget)
     return report.fit_command(report.FitOptions(dirs=[str(sweep.directory)],
                                                 out=str(sweep.directory / "fit")))

@@ -96,7 +96,7 @@ def main(overrides: list[str] = ()) -> int:
                                      "test_result": ".3f", "answer_token_acc": ".3f",
                                      "answer_loss": ".3f", "wall_s": ".0f", "params": ",d",
                                      "train_tokens": ",d"})
-    write_results(sweep, "listops", markdown, rows, _figure(rows))
+    write_results(sweep.directory, "listops", markdown, rows, _figure(rows))
     return 0
 
 
