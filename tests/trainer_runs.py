@@ -202,11 +202,9 @@ def run_dir(name: str) -> Path:
 
 def scalars(name: str, tag: str) -> dict[int, float]:
     """step -> value of a run's TensorBoard scalar (the last value written for a step)."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from pretrain.scaling.experiments.common import scalar_curve
 
-    events = EventAccumulator(str(run_dir(name) / "tb"), size_guidance={"scalars": 0, "tensors": 0})
-    events.Reload()
-    return {e.step: e.value for e in events.Scalars(tag)}
+    return dict(scalar_curve(run_dir(name), tag))
 
 
 def matrix_cells() -> list[tuple[str, int]]:

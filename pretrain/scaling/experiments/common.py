@@ -72,12 +72,13 @@ def trained_model(run_dir: Path) -> torch.nn.Module:
 
 
 def scalar_curve(run_dir: Path, tag: str) -> list[tuple[int, float]]:
-    """(step, value) of a scalar the run logged to RUN_DIR/tb, in step order."""
+    """(step, value) of a scalar the run logged to RUN_DIR/tb, in step order (values written
+    for one step in the order written)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0})
     events.Reload()
-    return sorted((e.step, e.value) for e in events.Scalars(tag))
+    return sorted(((e.step, e.value) for e in events.Scalars(tag)), key=lambda point: point[0])
 
 
 def cached(run_dir: Path, key: str, compute: Callable[[], dict[str, Any]]) -> dict[str, Any]:
