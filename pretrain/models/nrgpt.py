@@ -1,5 +1,6 @@
 """NRGPT: a GPT whose one shared block is a step of gradient descent on an energy ("NRGPT: An Energy-based
-Alternative for GPT", arXiv 2512.16762).
+Alternative for GPT", arXiv 2512.16762; the method is its Sec. 2). Section, equation and
+proposition numbers below are those of the paper's ICLR 2026 version.
 
 Each of `n_steps` applications of the block updates every token A by
 
@@ -53,7 +54,7 @@ class NRGPTConfig(LMConfig):
     eta: str = "full"
     """Inference rate: "full" (learned D x D), "diag_gamma" (c diag(gamma)) or "scalar" (c I).
     With "diag_gamma" the update provably descends every token's own energy, for a small enough
-    c (the paper's Proposition 2.1, as numbered in its ICLR 2026 version)."""
+    c (Proposition 2.1)."""
     eta_init: float = 0.1
     """Initial c = softplus(raw) for eta "diag_gamma" / "scalar"."""
     eta_per_step: bool = False
@@ -105,7 +106,8 @@ class EnergyAttention(nn.Module):
     `full` stores the key side only: W_Q,h = I and W_K,h = J_h^T (the rows of `key` for head h
     hold J_h^T). Then dE_AT(A)/dg_A = -sum_h alpha_h W_Q,h^T sum_B p_AB k_hB is ordinary
     attention with values tied to keys, followed by W_Q^T (nothing for `full`); the exact mode's
-    self term -sum_h alpha_h p_AA J_h g_A is W_K^T applied to p_AA q_A."""
+    self term -sum_h alpha_h p_AA J_h g_A is W_K^T applied to p_AA q_A. Against GPT's attention
+    the output projection W_P^T W_V becomes alpha_h eta J_h^T (Eq. 13)."""
 
     def __init__(self, config: NRGPTConfig):
         super().__init__()
@@ -276,8 +278,8 @@ def act_and_slope(u: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tenso
 
 
 class EnergyFF(nn.Module):
-    """Per-token Dense Associative Memory energies and their closed-form gradients (the
-    NRGPT paper's Dense Associative Memory form).
+    """Per-token Dense Associative Memory energies and their closed-form gradients (Sec. 2;
+    against GPT's MLP, ff2w's update puts W1 eta^T where the second layer's weight was, Eq. 15).
 
     ff1:  E = -||sigma(W g + b)||^2
     ff2:  E = -||sigma(W2 sigma(W1 g + b1) + b2)||^2   (W1: D -> D, W2: D -> hD as released)
