@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from pretrain.models import build, resolve
-from pretrain.models.llama import RMSNorm, TransformerPPConfig, apply_rotary, rotary_tables
+from pretrain.models.llama import RMSNorm, RotaryCache, TransformerPPConfig, apply_rotary, rotary_tables
 
 
 def tiny(**overrides):
@@ -63,6 +63,20 @@ def test_rotary_scores_depend_only_on_relative_position():
     x = torch.randn(3, 2, 9, 16, dtype=torch.float64)  # a rotation keeps norms
     rotated = apply_rotary(x, rotary_tables(torch.arange(9), 16, 10000.0, torch.float64))
     assert torch.allclose(rotated.norm(dim=-1), x.norm(dim=-1), atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_rotary_cache_slices_equal_the_positions_own_tables(dtype):
+    cache = RotaryCache(head_dim=16, theta=10000.0, n_positions=64)
+    like = torch.zeros(1, dtype=dtype)
+    for first, length in [(0, 64), (0, 1), (37, 1), (63, 1), (5, 20), (60, 10), (100, 3)]:
+        expected = rotary_tables(torch.arange(first, first + length), 16, 10000.0, dtype)
+        got = cache(first, length, like)
+        assert all(g.dtype == dtype and torch.equal(g, e) for g, e in zip(got, expected)), (first, length)
+    assert cache.tables[(dtype, like.device)][0].size(0) == 103  # grew to the furthest position asked
+    with torch.inference_mode():  # tables made there must still serve a later training step
+        tables = RotaryCache(16, 10000.0, 8)(0, 8, like)
+    assert not any(t.is_inference() for t in tables)
 
 
 def test_rmsnorm_formula_and_bf16_stays_close_to_float32():

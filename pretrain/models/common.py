@@ -78,8 +78,13 @@ class LanguageModel(nn.Module):
     def next_token_logits(self, idx: torch.Tensor, cache: DecodeCache | None = None) -> torch.Tensor:
         """[B, V] logits for the token after `idx` (without a cache: the whole context), or
         after the tokens in `cache` followed by `idx` (which the cache then holds too); EBT
-        overrides this with its descent."""
-        return self(idx, cache=cache).logits[:, -1, :]
+        overrides this with its descent. Nothing is recorded for autograd: inference mode costs
+        less per op than no_grad, and a decoded token of a small model is a hundred small ops.
+        A cache filled here is for further calls of this method only (its tensors are inference
+        tensors)."""
+        with torch.inference_mode():
+            logits = self(idx, cache=cache).logits[:, -1, :]
+        return logits.clone()  # an ordinary tensor, which callers may edit in place
 
 
 class KVSlot:

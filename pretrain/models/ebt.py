@@ -14,12 +14,15 @@ and training backpropagates the next-token cross entropy of log_softmax(y_{t+1})
 descent (second order): Sec. 3.2, Eq. (1) and Algorithm 1 (the paper writes the gradient w.r.t.
 the logits, see `grad_wrt`). The landscape regularisers (replay buffer, Langevin noise,
 randomised step size and step count) are Sec. 3.3, Eq. (2); thinking longer and best-of-N
-self-verification (`think`) are Sec. 3.3 and Algorithm 2. The backbone runs two streams with the same weights: the observed tokens
-with ordinary causal attention, and one predicted row per position i that attends to observed
-tokens 0..i and to itself only (never to observed token i+1, its target, nor to other
-predictions): Sec. 3.4 and Appendix C.3, Eq. (3). Row i takes the rotary position of the token it
-predicts, i + 1 (as the released code). Without step conditioning the observed stream does not depend on the candidate: its keys
-and values are computed once per batch and every descent step runs only the predicted rows.
+self-verification (`think`) are Sec. 3.3 and Algorithm 2.
+
+The backbone runs two streams with the same weights: the observed tokens with ordinary causal
+attention, and one predicted row per position i that attends to observed tokens 0..i and to
+itself only (never to observed token i+1, its target, nor to other predictions): Sec. 3.4 and
+Appendix C.3, Eq. (3). Row i takes the rotary position of the token it predicts, i + 1 (as the
+released code). Without step conditioning the observed stream does not depend on the
+candidate: its keys and values are computed once per batch and every descent step runs only
+the predicted rows.
 
 `EnergyDescent` holds every parameter and runs the whole loop, so DeepSpeed ZeRO-3 can gather it
 as one leaf module (`autograd.grad` inside a forward needs the parameters whole).
@@ -39,8 +42,8 @@ from pretrain.models.blocks import check_choice, check_positive, maybe_checkpoin
 from pretrain.models.common import DecodeCache, LanguageModel, ModelOutput
 from pretrain.models.descent_plumbing import CheckpointedStep, StepSettings, seeded_rng
 from pretrain.models.ebt_attention import two_stream_attention
-from pretrain.models.llama import (Block, LlamaConfig, RMSNorm, block_flops, causal_attention, check_length,
-                                   init_weights, rotary_tables)
+from pretrain.models.llama import (Block, LlamaConfig, RMSNorm, RotaryCache, block_flops, causal_attention,
+                                   check_length, init_weights)
 from pretrain.models.registry import register_family, register_flavor
 
 MIN_ALPHA = 1e-4
@@ -215,10 +218,8 @@ class EnergyDescent(nn.Module):
             self.alpha = nn.Parameter(alpha)
         else:
             self.register_buffer("alpha", alpha)
-
-    def _rope(self, first_position: int, length: int, like: torch.Tensor):
-        positions = torch.arange(first_position, first_position + length, device=like.device)
-        return rotary_tables(positions, self.config.head_dim, self.config.rope_theta, like.dtype)
+        # candidate rows sit n_prefix + 1 positions after their token (n_prefix <= 1)
+        self.rope = RotaryCache(config.head_dim, config.rope_theta, config.block_size + 2)
 
     def observe(self, idx: torch.Tensor, step: int, anchor: torch.Tensor | None = None,
                 cache: DecodeCache | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -233,7 +234,7 @@ class EnergyDescent(nn.Module):
         if self.time_embeddings is not None:
             step_index = idx.new_full((idx.size(0), 1), min(step, self.config.n_step_embeddings - 1))
             x = torch.cat([self.time_embeddings(step_index), x], dim=1)
-        rope = self._rope(0, x.size(1), x)
+        rope = self.rope(0, x.size(1), x)
         checkpointed = self.config.activation_checkpointing == "block"
         observed = []
         for layer in self.layers[:-1]:
@@ -258,7 +259,7 @@ class EnergyDescent(nn.Module):
             x = self.tok_embeddings(new)
             if self.time_embeddings is not None and seen == 0:
                 x = torch.cat([self.time_embeddings(new.new_full((rows, 1), conditioning)), x], dim=1)
-            rope = self._rope(seen, x.size(1), x)
+            rope = self.rope(seen, x.size(1), x)
             for layer, slot in zip(self.layers[:-1], slots):
                 x = layer(x, rope, slot.attend)[0]
             last = self.layers[-1]
@@ -276,7 +277,7 @@ class EnergyDescent(nn.Module):
         """Energies [B, R] of the embedded candidates p @ W_ve [B, R, D] of positions
         first_row .. first_row + R - 1."""
         n_prefix = self.config.n_prefix
-        rope = self._rope(first_row + 1 + n_prefix, embedded.size(1), embedded)
+        rope = self.rope(first_row + 1 + n_prefix, embedded.size(1), embedded)
         checkpointed = self.config.activation_checkpointing == "block"
         x = embedded
         for layer, (k_obs, v_obs) in zip(self.layers, observed):
@@ -624,11 +625,12 @@ class EBT(LanguageModel):
 register_family("ebt", EBTConfig, EBT)
 
 # The paper's recipes at "small" (12L/768/12h; 126.8M with the two V x D tables at V=50304), as the
-# released scripts (the S1/S2 kinds: Appendix C.2; their hyperparameters: Tables D.3 and D.4). S1: a step embedding per step, 2 steps, learnable alpha 500 with LR x1500,
-# detach, mean CE. S2 (`--mcmc_num_steps 1 --randomize_mcmc_num_steps 2 --randomize_mcmc_num_steps_min
-# 2`): one step embedding shared by 2..3 steps (3 at eval), so every step descends one landscape and
-# the observed stream is computed once; fixed alpha 5 randomised in [2.5, 10]; Langevin noise 3,
-# at eval too; graph kept through the steps; last-step loss; half the batch again replayed from a
+# released scripts (the S1/S2 kinds: Appendix C.2; their hyperparameters: Tables D.3 and D.4).
+# S1: a step embedding per step, 2 steps, learnable alpha 500 with LR x1500, detach, mean CE.
+# S2 (`--mcmc_num_steps 1 --randomize_mcmc_num_steps 2 --randomize_mcmc_num_steps_min 2`): one
+# step embedding shared by 2..3 steps (3 at eval), so every step descends one landscape and the
+# observed stream is computed once; fixed alpha 5 randomised in [2.5, 10]; Langevin noise 3, at
+# eval too; graph kept through the steps; last-step loss; half the batch again replayed from a
 # FIFO of the last 192 rows (at T=1024, V=50304: 39.6 GB in fp32 per rank, in checkpoints too).
 S1 = dict(n_steps=2, alpha=500.0, alpha_learnable=True, alpha_lr_mult=1500.0)
 S2 = dict(n_steps=3, min_steps=2, alpha=5.0, alpha_learnable=False, alpha_randomize=2.0,

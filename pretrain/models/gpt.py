@@ -9,7 +9,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pretrain.models.blocks import LearnedPositionLM, LMConfig, check_choice, check_positive, maybe_checkpoint
+from pretrain.models.blocks import (LearnedPositionLM, LMConfig, check_choice, check_positive, dropout_module,
+                                    maybe_checkpoint)
 from pretrain.models.common import KVSlot
 from pretrain.models.registry import register_family, register_flavor
 
@@ -64,7 +65,7 @@ class CausalSelfAttention(nn.Module):
         self.dropout = config.dropout
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias and config.qkv_bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        self.resid_dropout = nn.Dropout(config.dropout)
+        self.resid_dropout = dropout_module(config.dropout)
 
     def forward(self, x: torch.Tensor, cache: KVSlot | None = None) -> torch.Tensor:
         """With a cache, x holds the new tokens, attending to the cached ones too."""
@@ -85,7 +86,7 @@ class MLP(nn.Module):
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
         self.act = ACTIVATIONS[config.mlp_act]()
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
-        self.dropout = nn.Dropout(config.dropout)
+        self.dropout = dropout_module(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.dropout(self.c_proj(self.act(self.c_fc(x))))

@@ -14,7 +14,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pretrain.models.blocks import CHECKPOINTING_MODES, check_choice, check_positive, maybe_checkpoint
+from pretrain.models.blocks import (CHECKPOINTING_MODES, check_choice, check_positive, dropout_module,
+                                    maybe_checkpoint)
 from pretrain.models.common import DecodeCache, LanguageModel, ModelOutput
 from pretrain.models.registry import register_family, register_flavor
 
@@ -95,6 +96,29 @@ def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: t
     return torch.cat([angles, angles], dim=-1).cos().to(dtype), torch.cat([-sin, sin], dim=-1).to(dtype)
 
 
+class RotaryCache:
+    """`rotary_tables` of positions 0, 1, ... computed once per dtype and device and sliced per
+    call: incremental decoding asks for one position per token, and building its tables costs
+    more than the rest of a small model's step. Slices are bitwise equal to the tables of the
+    positions alone (elementwise ops); the tables grow when a longer range is asked for."""
+
+    def __init__(self, head_dim: int, theta: float, n_positions: int):
+        self.head_dim, self.theta, self.n_positions = head_dim, theta, n_positions
+        self.tables: dict[tuple, Rope] = {}
+
+    def __call__(self, first_position: int, length: int, like: torch.Tensor) -> Rope:
+        """Tables [length, head_dim] of positions first_position.. in `like`'s dtype and device."""
+        end = first_position + length
+        key = (like.dtype, like.device)
+        if key not in self.tables or self.tables[key][0].size(0) < end:
+            self.n_positions = max(self.n_positions, end)
+            with torch.inference_mode(False):  # ordinary tensors: a later training step saves them
+                positions = torch.arange(self.n_positions, device=like.device)
+                self.tables[key] = rotary_tables(positions, self.head_dim, self.theta, like.dtype)
+        cos, signed_sin = self.tables[key]
+        return cos[first_position:end], signed_sin[first_position:end]
+
+
 def apply_rotary(x: torch.Tensor, rope: Rope) -> torch.Tensor:
     """Rotate [B, H, T, head_dim] queries or keys by their positions' angles:
     (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin). The half swap is a roll, whose backward is
@@ -158,7 +182,7 @@ class Block(nn.Module):
         self.attention = Attention(config)
         self.ffn_norm = RMSNorm(config.n_embd, config.norm_eps)
         self.feed_forward = SwiGLU(config)
-        self.dropout = nn.Dropout(config.dropout)
+        self.dropout = dropout_module(config.dropout)
 
     def forward(self, x: torch.Tensor, rope: Rope,
                 attend: Callable = causal_attention) -> tuple[torch.Tensor, ...]:
@@ -208,6 +232,7 @@ class TransformerPP(LanguageModel):
         self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.norm = RMSNorm(config.n_embd, config.norm_eps)
         self.output = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.rope = RotaryCache(config.head_dim, config.rope_theta, config.block_size)
         init_weights(self, config)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
@@ -218,8 +243,7 @@ class TransformerPP(LanguageModel):
         if cache is not None:
             cache.remember(idx)
         x = self.tok_embeddings(idx)
-        positions = torch.arange(start, start + idx.size(1), device=idx.device)
-        rope = rotary_tables(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        rope = self.rope(start, idx.size(1), x)
         checkpointed = self.config.activation_checkpointing != "off"
         for i, layer in enumerate(self.layers):
             attend = causal_attention if cache is None else cache.slot(i).attend
