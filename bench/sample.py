@@ -1,7 +1,7 @@
 """Incremental decoding against full recompute: generated tokens per second of every family,
 with the decoding cache and without it, at prompts of 128 and 512 tokens.
 
-    python -m bench.sample [--prompts 128 512] [--new-tokens 16] [--block-size 640] [--rounds 2]
+    python -m bench.sample [--prompts 128 512] [--new-tokens 64] [--block-size 640] [--rounds 5]
 
 "Without the cache" is what generation did before it: each new token runs the model over the
 whole context (for EBT, the observed stream over every token, then the descent). "With the
@@ -11,11 +11,13 @@ from the same untrained weights, batch 1, and must pick the same tokens (checked
 `-tiny` flavors, and a small shape (D=128, 4 heads, 6 layers or recurrent steps: gpt-small and
 nrgpt-small, the other families overridden to it), all at vocabulary 512 with the block size
 raised to hold the longest prompt and its new tokens. Time is the process's CPU time with one
-intra-op thread (on a shared machine wall-clock time mostly measures the other jobs); the
-minimum over rounds is kept."""
+intra-op thread (on a shared machine wall-clock time mostly measures the other jobs). Each
+round times both ways back to back; rates and the ratio are medians over rounds, and "range" is
+the spread of the rounds' ratios."""
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -41,27 +43,25 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
 
 
 def uncached(model, prompt: torch.Tensor, new_tokens: int) -> tuple[float, torch.Tensor]:
-    """(CPU seconds, tokens) of generation recomputing the whole context for every token."""
+    """(CPU seconds per token, tokens) of generation recomputing the whole context for every token."""
     idx = prompt
     start = time.process_time()
     for _ in range(new_tokens):
         idx = torch.cat([idx, greedy(model.next_token_logits(idx))[:, None]], dim=1)
-    return time.process_time() - start, idx[:, prompt.size(1):]
+    return (time.process_time() - start) / new_tokens, idx[:, prompt.size(1):]
 
 
 def cached(model, prompt: torch.Tensor, new_tokens: int) -> tuple[float, float, torch.Tensor]:
-    """(prefill CPU seconds, CPU seconds of the new tokens after it, tokens) with the cache."""
+    """(prefill CPU seconds, CPU seconds per token after the first, tokens) with the cache: the
+    first token comes from the prefill, each further one from a step of its own."""
     cache = DecodeCache()
     start = time.process_time()
-    logits = model.next_token_logits(prompt, cache)
+    chosen = [greedy(model.next_token_logits(prompt, cache))]
     prefill = time.process_time() - start
-    chosen = []
     start = time.process_time()
-    for i in range(new_tokens):
-        if i:
-            logits = model.next_token_logits(chosen[-1][:, None], cache)
-        chosen.append(greedy(logits))
-    return prefill, time.process_time() - start, torch.stack(chosen, dim=1)
+    while len(chosen) < new_tokens:
+        chosen.append(greedy(model.next_token_logits(chosen[-1][:, None], cache)))
+    return prefill, (time.process_time() - start) / (new_tokens - 1), torch.stack(chosen, dim=1)
 
 
 @torch.no_grad()
@@ -76,19 +76,22 @@ def measure(args) -> list[tuple]:
             for prompt_len in args.prompts:
                 prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len),
                                        generator=torch.Generator().manual_seed(prompt_len))
-                best_full = best_prefill = best_step = float("inf")
+                full, steps, prefills = [], [], []
                 for _ in range(args.rounds):
                     full_seconds, full_tokens = uncached(model, prompt, args.new_tokens)
                     prefill, step_seconds, tokens = cached(model, prompt, args.new_tokens)
                     if not torch.equal(tokens, full_tokens):
                         raise SystemExit(f"{family} {size}: cached decoding chose other tokens than full recompute")
-                    best_full, best_prefill = min(best_full, full_seconds), min(best_prefill, prefill)
-                    best_step = min(best_step, step_seconds)
-                full_rate, cached_rate = args.new_tokens / best_full, args.new_tokens / best_step
-                ratio = cached_rate / full_rate
+                    full.append(full_seconds), steps.append(step_seconds), prefills.append(prefill)
+                # a round's two timings are a fraction of a second apart, so a slower minute of
+                # the machine moves both alike (interleaving them token by token would not: each
+                # cached step would then run cold after a full forward, unlike real decoding)
+                ratios = sorted(f / c for f, c in zip(full, steps))
+                ratio = statistics.median(ratios)
                 verdict = "" if family == "ebt" else ("ok" if ratio >= TARGET or prompt_len < 512 else "BELOW")
-                rows.append((f"{family} ({size})", prompt_len, f"{full_rate:.1f}", f"{cached_rate:.1f}",
-                             f"{ratio:.1f}x", f"{best_prefill * 1e3:.0f}", verdict))
+                rows.append((f"{family} ({size})", prompt_len, f"{1 / statistics.median(full):.1f}",
+                             f"{1 / statistics.median(steps):.1f}", f"{ratio:.1f}x",
+                             f"{ratios[0]:.1f}-{ratios[-1]:.1f}", f"{statistics.median(prefills) * 1e3:.0f}", verdict))
                 print(*rows[-1], flush=True)
     return rows
 
@@ -96,13 +99,16 @@ def measure(args) -> list[tuple]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, nargs="+", default=[128, 512], help="prompt lengths")
-    parser.add_argument("--new-tokens", type=int, default=16, help="tokens generated per measurement")
+    parser.add_argument("--new-tokens", type=int, default=64,
+                        help="tokens generated per measurement (fewer make a tiny model's row a few ms long)")
     parser.add_argument("--block-size", type=int, default=640, help="context length the models are built with")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--families", nargs="+", default=[f for f, _, _ in SIZES["tiny"]], help="families to run")
     parser.add_argument("--sizes", nargs="+", choices=tuple(SIZES), default=list(SIZES))
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads")
     args = parser.parse_args()
+    if args.new_tokens < 2:
+        parser.error("--new-tokens must be >= 2 (the cache's first token comes from the prefill)")
     if max(args.prompts) + args.new_tokens > args.block_size:
         parser.error("--block-size must hold the longest prompt and the new tokens")
     torch.set_num_threads(args.threads)
@@ -111,7 +117,7 @@ def main() -> None:
     rows = measure(args)
     print()
     print_table(("family (size)", "prompt", "uncached tok/s", "cached tok/s", "cached / uncached",
-                 "prefill ms", "target"), rows)
+                 "range", "prefill ms", "target"), rows)
 
 
 if __name__ == "__main__":
