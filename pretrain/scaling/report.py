@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pretrain.scaling.allocation import GAIN_SEARCH_DECADES, N_SEARCH_DECADES
 from pretrain.scaling.analysis import (EXPONENTS, Comparison, FamilyAnalysis, Point,
                                        analyse_family, compare, too_few_message)
 from pretrain.scaling.fit import MIN_POINTS, FitResult, TooFewPoints, fit_power_law, rate_difference
@@ -374,12 +375,13 @@ def to_csv(rows: list[dict[str, object]], columns: list[str] | None = None) -> s
     return buffer.getvalue()
 
 
-def _fmt(row: dict[str, object], name: str, percent: bool = False) -> str:
+
+def _fmt(row: dict[str, object], name: str, percent: bool = False, spec: str = ".4g") -> str:
     """`value [lo, hi]`, the interval left out when it is NaN; `-` when there is no value."""
     value = row.get(name, "")
     if value == "" or (isinstance(value, float) and math.isnan(value)):
         return "-"
-    scale, spec = (100.0, "+.1f") if percent else (1.0, ".4g")
+    scale, spec = (100.0, "+.1f") if percent else (1.0, spec)
     text = f"{value * scale:{spec}}" + ("%" if percent else "")
     lo, hi = row.get(f"{name}_lo", math.nan), row.get(f"{name}_hi", math.nan)
     if not (math.isnan(lo) or math.isnan(hi)):
@@ -422,9 +424,11 @@ def to_markdown(analysis: Analysis, ci_level: float = 0.95) -> str:
     if rows:
         out.append("### IsoFLOP parabolas (approach 2)\n")
         out.append(markdown_table([{
-            "group": r["group"], "C": f"{r['budget']:.3g}", "runs": r["runs"], "N*": f"{r['n_opt']:.4g}",
-            "D*": f"{r['d_opt']:.4g}", "L*": f"{r['loss_opt']:.4f}",
+            "group": r["group"], "C": f"{r['budget']:.3g}", "runs": r["runs"], "N*": _fmt(r, "n_opt"),
+            "D*": _fmt(r, "d_opt"), "L*": _fmt(r, "loss_opt", spec=".4f"),
             "N* inside the sizes": "yes" if r["inside"] else "no"} for r in rows]))
+        out.append("\nN* and L* are the parabola's vertex (outside the sizes an extrapolation; '-' "
+                   "where the parabola opens downward); D* only for a vertex inside the sizes.")
         fits = [(g, f) for g, f in sorted(analysis.families.items()) if f.n_opt_law]
         for group, family in fits:
             out.append(f"\n{group}: N*(C) = {family.n_opt_law.scale:.3g} C^"
@@ -453,19 +457,25 @@ def to_markdown(analysis: Analysis, ci_level: float = 0.95) -> str:
             out.append(markdown_table(gains))
         out.append("\nGain = the compute the baseline needs to reach the family's compute-"
                    "optimal loss at C, over C (> 1: the family needs less compute); from the "
-                   "joint laws' frontiers; '-' where the baseline does not reach that loss "
-                   "within 1000x the compute.\n")
+                   "joint laws' frontiers. '-': the family's law has no frontier at C, or the "
+                   f"baseline does not reach that loss within {10 ** GAIN_SEARCH_DECADES:.0f}x the "
+                   "compute. A law has no frontier where its compute-optimal size lies "
+                   f"{N_SEARCH_DECADES:.0f} or more decades outside the fitted sizes, as when an "
+                   "exponent sits at its search bound.\n")
         exponent_rows = []
         for comp in analysis.comparisons:
             for name in EXPONENTS:
                 value, delta, (lo, hi) = comp.exponents[name]
                 interval = "" if math.isnan(lo) else f" [{lo:+.3g}, {hi:+.3g}]"
+                shown = "-" if math.isnan(delta) else f"{delta:+.4g}"
                 exponent_rows.append({"group": comp.group, "baseline": comp.baseline, "exponent": name,
-                                      "group's value": f"{value:.4g}", "minus baseline's": f"{delta:+.4g}{interval}"})
+                                      "group's value": "-" if math.isnan(value) else f"{value:.4g}",
+                                      "minus baseline's": shown + interval})
         out.append(markdown_table(exponent_rows))
         out.append("\nalpha, beta: the joint law's exponents; compute_slope: the mean log-log "
                    "slope of its frontier L*(C) over both families' compute range (the "
-                   "scaling rate in compute).\n")
+                   "scaling rate in compute); '-' where a law has no frontier at an end of "
+                   "that range, the interval then over the bootstrap laws that have one.\n")
 
     notes = analysis.notes + [f"{g}: {n}" for g, f in sorted(analysis.families.items())
                               for n in f.notes]
