@@ -215,9 +215,11 @@ def main(argv: list[str] | None = None) -> int:
     from pretrain.downstream import generation, harness
     from pretrain.downstream.adapter import HarnessModel
     from pretrain.downstream.data import DataMissing, data_root
+    from pretrain.engine import keep_freed_host_memory
     from pretrain.fileio import atomic_write_text
     from pretrain.trained import LoadError
 
+    keep_freed_host_memory()  # each scoring batch's logits would otherwise be fresh pages
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         names = harness.parse_tasks(args.tasks)

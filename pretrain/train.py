@@ -35,7 +35,8 @@ import yaml
 from pretrain.checkpoint import CheckpointError, CheckpointManager, ResumeState, data_identity
 from pretrain.config import (ConfigError, RunConfig, gradient_accumulation_steps, load_config,
                              model_config, resolved_precision, to_dict, validate)
-from pretrain.engine import configure_device_math, deepspeed_config, distributed_env, initialize, seed_process
+from pretrain.engine import (configure_device_math, deepspeed_config, distributed_env, initialize,
+                             keep_freed_host_memory, seed_process)
 from pretrain.downstream.in_training import evaluate_in_training
 from pretrain.evaluate import EvalResult, decode_padded, evaluate
 from pretrain.fileio import atomic_write_text
@@ -195,6 +196,7 @@ class Trainer:
         cfg = self.cfg
         self.model_config = model_config(cfg, dataset_vocab_size)
         configure_device_math(cfg, self.on_gpu)
+        keep_freed_host_memory()
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
         model = build(self.model_config)
         # before the engine partitions the parameters; a resumed run gets its weights from its checkpoint

@@ -1,7 +1,9 @@
 """GPU fast paths, checked as far as a CPU can: the peak table MFU divides by, fused AdamW and a
 compiled module under DeepSpeed ZeRO-2 against the plain path, the TF32 switch, the guard that
 keeps torch.compile away from double backward, and which attention kernel each family's
-attention reaches (NRGPT's explicit path against SDPA)."""
+attention reaches (NRGPT's explicit path against SDPA). And the host side: freed memory is
+reused, not faulted in again."""
+import ctypes
 import json
 import os
 import subprocess
@@ -77,6 +79,30 @@ def test_tf32_switch_applies_on_gpu_only():
         assert torch.get_float32_matmul_precision() == "highest"
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+PAGE_FAULTS_PER_STEP = """
+import resource, torch
+from pretrain.engine import keep_freed_host_memory
+def faults_per_step():
+    start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(10):  # a 100 MB tensor made and freed, as a CPU step's logits are
+        torch.ones(25_000_000).sum()
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start) / 10
+before = faults_per_step()
+keep_freed_host_memory()
+faults_per_step()  # the heap grows to hold the block once
+print(before, faults_per_step())
+"""
+
+
+@pytest.mark.skipif(not hasattr(ctypes.CDLL(None), "mallopt"), reason="needs glibc's mallopt")
+def test_freed_host_memory_is_reused_instead_of_faulted_in_again():
+    result = subprocess.run([sys.executable, "-c", PAGE_FAULTS_PER_STEP], cwd=REPO, capture_output=True,
+                            text=True, check=True)
+    before, after = map(float, result.stdout.split())
+    assert before > 20_000  # glibc maps each 100 MB block anew: ~24k pages of 4 KB
+    assert after < before / 20
 
 
 def test_compile_is_refused_for_families_with_double_backward():
