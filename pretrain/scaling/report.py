@@ -375,7 +375,6 @@ def to_csv(rows: list[dict[str, object]], columns: list[str] | None = None) -> s
     return buffer.getvalue()
 
 
-
 def _fmt(row: dict[str, object], name: str, percent: bool = False, spec: str = ".4g") -> str:
     """`value [lo, hi]`, the interval left out when it is NaN; `-` when there is no value."""
     value = row.get(name, "")
