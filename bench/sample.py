@@ -76,13 +76,14 @@ def measure(args) -> list[tuple]:
             for prompt_len in args.prompts:
                 prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len),
                                        generator=torch.Generator().manual_seed(prompt_len))
-                full, steps, prefills = [], [], []
+                rounds = []
                 for _ in range(args.rounds):
                     full_seconds, full_tokens = uncached(model, prompt, args.new_tokens)
                     prefill, step_seconds, tokens = cached(model, prompt, args.new_tokens)
                     if not torch.equal(tokens, full_tokens):
                         raise SystemExit(f"{family} {size}: cached decoding chose other tokens than full recompute")
-                    full.append(full_seconds), steps.append(step_seconds), prefills.append(prefill)
+                    rounds.append((full_seconds, step_seconds, prefill))
+                full, steps, prefills = zip(*rounds)
                 # a round's two timings are a fraction of a second apart, so a slower minute of
                 # the machine moves both alike (interleaving them token by token would not: each
                 # cached step would then run cold after a full forward, unlike real decoding)

@@ -375,6 +375,11 @@ def to_csv(rows: list[dict[str, object]], columns: list[str] | None = None) -> s
     return buffer.getvalue()
 
 
+def _number(value: float, spec: str) -> str:
+    """`value` formatted by `spec`, or `-` for NaN (no value)."""
+    return "-" if math.isnan(value) else f"{value:{spec}}"
+
+
 def _fmt(row: dict[str, object], name: str, percent: bool = False, spec: str = ".4g") -> str:
     """`value [lo, hi]`, the interval left out when it is NaN; `-` when there is no value."""
     value = row.get(name, "")
@@ -466,10 +471,9 @@ def to_markdown(analysis: Analysis, ci_level: float = 0.95) -> str:
             for name in EXPONENTS:
                 value, delta, (lo, hi) = comp.exponents[name]
                 interval = "" if math.isnan(lo) else f" [{lo:+.3g}, {hi:+.3g}]"
-                shown = "-" if math.isnan(delta) else f"{delta:+.4g}"
                 exponent_rows.append({"group": comp.group, "baseline": comp.baseline, "exponent": name,
-                                      "group's value": "-" if math.isnan(value) else f"{value:.4g}",
-                                      "minus baseline's": shown + interval})
+                                      "group's value": _number(value, ".4g"),
+                                      "minus baseline's": _number(delta, "+.4g") + interval})
         out.append(markdown_table(exponent_rows))
         out.append("\nalpha, beta: the joint law's exponents; compute_slope: the mean log-log "
                    "slope of its frontier L*(C) over both families' compute range (the "
