@@ -6,7 +6,8 @@ and norm gains away from their initial values, GPT-2's padded BPE vocabulary), a
 2-process matrix runs (character-level data). The exports are loaded by a separate interpreter
 that cannot import this repository (`python -I` from an empty directory, no PYTHONPATH), which
 must reproduce our logits (fp32, 1e-5) and greedy generations, gpt and transformer_pp as native
-GPT2LMHeadModel / LlamaForCausalLM without remote code."""
+GPT2LMHeadModel / LlamaForCausalLM without remote code; the other families' generate() decodes
+with their own cache and must choose what recomputing the context chooses."""
 from __future__ import annotations
 
 import ast
@@ -106,7 +107,15 @@ for job in json.loads(open(sys.argv[1]).read()):
     with torch.no_grad():
         logits = model(ids).logits
     generated = model.generate(ids[:1, :8], max_new_tokens=job["new_tokens"], do_sample=False)
-    torch.save({"class": type(model).__name__, "logits": logits, "generated": generated[0].tolist()}, job["out"])
+    result = {"class": type(model).__name__, "logits": logits, "generated": generated[0].tolist()}
+    if job["remote_code"]:  # the carried cache, against recomputing the context for every token
+        for use_cache in (True, False):
+            past_context = model.generate(ids[:1, :8], max_new_tokens=job["past_context_tokens"], do_sample=False,
+                                          use_cache=use_cache)
+            beams = model.generate(ids[:, :8], max_new_tokens=job["new_tokens"], num_beams=3, do_sample=False,
+                                   use_cache=use_cache)
+            result[use_cache] = {"past_context": past_context[0].tolist(), "beams": beams.tolist()}
+    torch.save(result, job["out"])
 '''
 
 
@@ -130,7 +139,8 @@ def test_exports_load_in_transformers_alone_with_our_logits_and_generations(buil
         ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(len(jobs)))
         inputs[name] = ids
         jobs.append({"dir": str(path), "remote_code": case not in NATIVE, "ids": ids.tolist(),
-                     "new_tokens": NEW_TOKENS, "out": str(tmp_path / f"{len(jobs)}.pt")})
+                     "new_tokens": NEW_TOKENS, "past_context_tokens": model.config.block_size,
+                     "out": str(tmp_path / f"{len(jobs)}.pt")})
     load_isolated(jobs, tmp_path / "isolated")
     for job, (name, (model, path, case)) in zip(jobs, cases.items()):
         result = torch.load(job["out"])
@@ -145,6 +155,13 @@ def test_exports_load_in_transformers_alone_with_our_logits_and_generations(buil
         torch.testing.assert_close(result["logits"], ours, rtol=0, atol=ATOL, msg=name)
         eos_id = json.loads((path / "generation_config.json").read_text())["eos_token_id"]
         assert result["generated"] == greedy(model, inputs[name][:1, :8], NEW_TOKENS, eos_id), name
+        if case not in NATIVE:
+            # generate() decodes with the model's cache, also past the context length and in beam
+            # search (which reorders the cache's rows), choosing what recomputation chooses
+            assert result[True] == result[False], name
+            assert len(result[True]["past_context"]) == 8 + model.config.block_size, name  # no early end-of-text
+            assert result[True]["past_context"] == greedy(model, inputs[name][:1, :8], model.config.block_size,
+                                                          eos_id), name
 
 
 def test_carried_code_imports_only_the_standard_library_torch_and_transformers(built_exports):

@@ -75,6 +75,23 @@ def test_cached_chunk_gives_every_position(name):
 
 
 @pytest.mark.parametrize("name", CASES)
+def test_reordered_cache_continues_as_a_cache_of_the_reordered_rows(name):
+    """What beam search does: after `reorder_cache(rows)` (rows repeated and permuted) the next
+    logits equal those of the full forward over the reordered sequences."""
+    model = build_case(name)
+    idx = tokens(model, batch=3, length=10)
+    rows = torch.tensor([2, 0, 2, 1])
+    cache = DecodeCache()
+    with torch.no_grad():
+        model.next_token_logits(idx[:, :9], cache)
+        cache.reorder_cache(rows)
+        cached = model.next_token_logits(idx[rows, 9:], cache)
+        reference = model.next_token_logits(idx[rows])
+    assert torch.allclose(cached, reference, atol=1e-10, rtol=0), (cached - reference).abs().max()
+    assert cache.tokens.equal(idx[rows])
+
+
+@pytest.mark.parametrize("name", CASES)
 def test_greedy_generation_picks_the_full_recompute_tokens(name):
     """generate() (the cached loop) against argmax over full recomputes, also across the
     context length (block_size 8: the window slides for the last two tokens)."""

@@ -153,8 +153,7 @@ def save_with_code(state: dict[str, torch.Tensor], model_config: Any, flavor: st
     (out / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
     tensors = {CODE_PREFIX + name: t.detach().clone().contiguous() for name, t in state.items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    GenerationConfig(bos_token_id=eot_id, eos_token_id=eot_id, pad_token_id=eot_id,
-                     use_cache=False).save_pretrained(out)
+    GenerationConfig(bos_token_id=eot_id, eos_token_id=eot_id, pad_token_id=eot_id).save_pretrained(out)
 
 
 def imported_modules(source: str) -> list[str]:

@@ -147,6 +147,13 @@ class DecodeCache:
         self.tokens = idx if self.tokens is None else torch.cat([self.tokens, idx], dim=1)
         return start
 
+    def reorder_cache(self, rows: torch.Tensor) -> None:
+        """Keep the batch rows `rows` [B'] of everything held, in that order (rows may repeat).
+        Hugging Face's beam search calls this, by this name, to follow the beams it keeps."""
+        self.tokens = self.tokens.index_select(0, rows)
+        for slot in self.slots.values():
+            slot.buffers = [b.index_select(0, rows) for b in slot.buffers]
+
 
 def sample_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
                   top_p: float | None = None) -> torch.Tensor:
