@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pretrain.cli import run_command
 from pretrain.config import load_config
 
 OUTPUT_ROOT = Path("checkpoints/demo")
@@ -143,4 +144,4 @@ def tensorboard_command() -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_command(main)

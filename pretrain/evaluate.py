@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from pretrain.cli import run_command
 from pretrain.config import EvalSection
 
 
@@ -288,4 +289,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_command(main)

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from pretrain.cli import run_command
 from pretrain.fileio import atomic_write
 from pretrain.trained import load_trained
 
@@ -79,4 +80,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_command(main)

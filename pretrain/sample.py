@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from pretrain.cli import run_command
 from pretrain.models.common import decode, sample_logits
 from pretrain.trained import DTYPES, LoadError, TrainedModel, load_trained
 
@@ -192,4 +193,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_command(main)

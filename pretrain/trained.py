@@ -9,7 +9,11 @@ safetensors file written by `python -m pretrain.export`, or a Hugging Face direc
 all load through here, so they see the same weights and the same tokenizer."""
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import logging
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,9 +70,19 @@ def consolidated_state_dict(tag_dir: Path) -> dict[str, torch.Tensor]:
         module = torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu",
                             weights_only=False)["module"]
         return {k: v.float() if v.is_floating_point() else v for k, v in module.items()}
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    # DeepSpeed narrates the consolidation (and, when first imported, its choice of accelerator)
+    # on stdout, which belongs to the caller (the sampling command's text): its notes are dropped,
+    # and a logger it creates meanwhile writes to stderr from then on
+    notes = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(notes), contextlib.redirect_stderr(notes):
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    return get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+            return get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+    finally:
+        for handler in logging.getLogger("DeepSpeed").handlers:
+            if getattr(handler, "stream", None) is notes:
+                handler.setStream(sys.stderr)
 
 
 def find_trained_checkpoint(source: str | Path) -> Path:

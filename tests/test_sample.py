@@ -7,7 +7,9 @@ greedy decoding picks the same tokens. The command runs end to end on a tiny tra
 from __future__ import annotations
 
 import io
+import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -255,6 +257,42 @@ def test_command_thinks_with_the_ebt_options():
                      "--think-steps", "3", "--best-of", "2")
     assert result.returncode == 0, result.stderr
     assert result.stdout == greedy_text(run, "ROMEO:", 6, steps=3, best_of=2) + "\n"
+
+
+def test_command_output_is_the_text_alone_for_a_zero_checkpoint():
+    """DeepSpeed narrates the consolidation of a ZeRO checkpoint on stdout: none of it may reach
+    the command's output, which is the text."""
+    runs.resume_matrix()
+    run = runs.run_dir(runs.reference_name("gpt", 2))
+    result = command(str(run), "--prompt", "ROMEO:", "--max-new-tokens", "8", "--temperature", "0")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == greedy_text(run, "ROMEO:", 8) + "\n"
+    assert result.stderr == ""
+
+
+def start_sampling(run: Path) -> subprocess.Popen:
+    """The command in a process of its own, generating for much longer than a test waits."""
+    return subprocess.Popen([sys.executable, "-m", "pretrain.sample", str(run), "--prompt", "ROMEO:",
+                             "--max-new-tokens", "1000000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=runs.child_env(), cwd=runs.REPO, start_new_session=True)
+
+
+def test_ctrl_c_ends_the_command_with_one_line(trained_run):
+    proc = start_sampling(trained_run)
+    proc.stdout.read(200)  # it is generating
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert err.decode().strip().splitlines()[-1] == "error: interrupted" and b"Traceback" not in err
+
+
+def test_a_closed_output_pipe_ends_the_command_quietly(trained_run):
+    proc = start_sampling(trained_run)
+    proc.stdout.read(200)
+    proc.stdout.close()  # like `| head`
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 141
+    assert all(line.startswith("note: ") for line in err.decode().splitlines())  # no error, no traceback
 
 
 def test_run_without_complete_checkpoint_is_refused(trained_run, tmp_path):

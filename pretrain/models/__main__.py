@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from pretrain.cli import run_command
 from pretrain.models import FLAVORS, build
 
 
@@ -34,4 +35,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

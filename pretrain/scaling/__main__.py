@@ -5,6 +5,7 @@ import argparse
 import importlib
 import sys
 
+from pretrain.cli import run_command
 from pretrain.scaling import launch, report
 from pretrain.scaling.experiments import EXPERIMENTS
 from pretrain.scaling.registry import load_registry
@@ -108,4 +109,4 @@ def _experiment(args) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_command(main)
