@@ -23,6 +23,7 @@ import hashlib
 import multiprocessing
 import os
 import shutil
+import signal
 import socket
 import sys
 import time
@@ -43,6 +44,7 @@ from data_pipeline.sources import (DataError, Source, SourceStats, archive_texts
                                    fingerprint_change, parse_source)
 from data_pipeline.streaming_compat import streaming
 from data_pipeline.tokenizer import CharTokenizer, GPT2Tokenizer, tokenizer_from_spec
+from pretrain.cli import run_command
 
 FORMAT_VERSION = 1
 SPLITS = ("train", "val")
@@ -69,6 +71,7 @@ _worker: dict = {}
 
 
 def _init_worker(tokenizer_spec: dict, val_fraction: float) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle, once
     _worker["tokenizer"] = tokenizer_from_spec(tokenizer_spec)
     _worker["val_fraction"] = val_fraction
 
@@ -550,4 +553,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_command(main)

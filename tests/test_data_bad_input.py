@@ -174,6 +174,28 @@ def test_any_exception_in_a_unit_of_work_becomes_one_line():
                                   "character 'b' is not in the char vocabulary")
 
 
+def test_ctrl_c_reaching_the_tokenizer_processes_is_left_to_the_parent():
+    """Ctrl-C signals the whole process group: the workers ignore it (no traceback of theirs,
+    no broken pool) and the parent alone stops the run."""
+    import signal
+
+    from data_pipeline.prepare import _tokenized_chunks
+    from trainer_runs import process_tree
+
+    docs = [f"document {i} " * 40 for i in range(256 * 12)]
+    before = set(process_tree(os.getpid()))
+    results = _tokenized_chunks(iter(docs), {"tokenizer": "gpt2"}, 0.0, num_proc=2)
+    first = next(results)
+    for worker in set(process_tree(os.getpid())) - before:
+        os.kill(worker, signal.SIGINT)
+    try:
+        chunks = [first, *results]
+    except KeyboardInterrupt:  # a worker's, handed to the parent as its chunk's result
+        pytest.fail("the tokenizer processes took Ctrl-C")
+    expected = list(_tokenized_chunks(iter(docs), {"tokenizer": "gpt2"}, 0.0, num_proc=1))
+    assert [[t.tolist() for t in c.tokens] for c in chunks] == [[t.tolist() for t in c.tokens] for c in expected]
+
+
 def test_a_killed_tokenizer_process_fails_the_run_instead_of_hanging():
     import signal
 
