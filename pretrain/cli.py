@@ -13,12 +13,12 @@ READER_GONE = 141
 """128 + SIGPIPE: what a shell reports for a command whose output pipe was closed."""
 
 
-def run_command(main: Callable[[], int | None], interrupted: str = "interrupted") -> None:
-    """Exit with main()'s status; on Ctrl-C print `error: {interrupted}` instead of a traceback."""
+def run_command(main: Callable[[], int | None]) -> None:
+    """Exit with main()'s status, or with one of the two above instead of a traceback."""
     try:
         code = main() or 0
     except KeyboardInterrupt:
-        print(f"\nerror: {interrupted}", file=sys.stderr, flush=True)
+        print("\nerror: interrupted", file=sys.stderr, flush=True)
         code = INTERRUPTED
     except BrokenPipeError:
         # nothing more can be shown; the interpreter's last flush of stdout would fail again
