@@ -184,8 +184,14 @@ def test_ctrl_c_reaching_the_tokenizer_processes_is_left_to_the_parent():
 
     docs = [f"document {i} " * 40 for i in range(256 * 12)]
     before = set(process_tree(os.getpid()))
-    results = _tokenized_chunks(iter(docs), {"tokenizer": "gpt2"}, 0.0, num_proc=2)
-    first = next(results)
+    # the forked workers start with Python's Ctrl-C handler, also where this process was
+    # started with SIGINT ignored (a background job of a shell without job control)
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        results = _tokenized_chunks(iter(docs), {"tokenizer": "gpt2"}, 0.0, num_proc=2)
+        first = next(results)
+    finally:
+        signal.signal(signal.SIGINT, inherited)
     for worker in set(process_tree(os.getpid())) - before:
         os.kill(worker, signal.SIGINT)
     try:
