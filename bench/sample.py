@@ -41,6 +41,7 @@ SIZES = {
               ("nrgpt", "nrgpt-small", {}), ("transformer_pp", "transformer_pp-tiny", {**SMALL, "n_layer": 6}),
               ("ebt", "ebt-tiny", {**SMALL, "n_layer": 6})],
 }
+FAMILIES = tuple(family for family, _, _ in SIZES["tiny"])
 TARGET = 5.0
 """Cached / uncached tokens per second wanted at the 512-token prompt (all but EBT)."""
 
@@ -149,7 +150,7 @@ def main() -> None:
                         help="tokens generated per measurement (fewer make a tiny model's row a few ms long)")
     parser.add_argument("--block-size", type=int, default=640, help="context length the models are built with")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--families", nargs="+", default=[f for f, _, _ in SIZES["tiny"]], help="families to run")
+    parser.add_argument("--families", nargs="+", default=list(FAMILIES), help="families to run")
     parser.add_argument("--sizes", nargs="+", choices=tuple(SIZES), default=list(SIZES))
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads")
     parser.add_argument("--hf", action="store_true",
@@ -163,7 +164,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), batch 1, {args.new_tokens} new tokens, "
           f"greedy, CPU time; target: cached >= {TARGET:.0f}x uncached at 512 (gpt, gpt_rec, nrgpt, transformer_pp)\n")
     rows = []
-    for family, prompt_len, ratio, (*row, prefill) in measure(args, decoding_ways, [f for f, _, _ in SIZES["tiny"]]):
+    for family, prompt_len, ratio, (*row, prefill) in measure(args, decoding_ways, FAMILIES):
         verdict = "" if family == "ebt" else ("ok" if ratio >= TARGET or prompt_len < 512 else "BELOW")
         rows.append((*row, f"{prefill * 1e3:.0f}", verdict))
     print()
