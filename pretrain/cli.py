@@ -18,7 +18,8 @@ def run_command(main: Callable[[], int | None]) -> None:
     try:
         code = main() or 0
     except KeyboardInterrupt:
-        print("\nerror: interrupted", file=sys.stderr, flush=True)
+        if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank gets the signal
+            print("\nerror: interrupted", file=sys.stderr, flush=True)
         code = INTERRUPTED
     except BrokenPipeError:
         # nothing more can be shown; the interpreter's last flush of stdout would fail again
