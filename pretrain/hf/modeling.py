@@ -19,7 +19,7 @@ import torch
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from pretrain.models.common import DecodeCache
+from pretrain.models.common import DecodeCache, window
 from pretrain.models.registry import build
 
 IGNORE_INDEX = -100
@@ -70,11 +70,8 @@ class ExportedForCausalLM(PreTrainedModel, GenerationMixin):
         inputs = {"attention_mask": attention_mask, "logits_to_keep": 1}
         if not use_cache:
             return {**inputs, "input_ids": input_ids}
-        block_size = self.model.config.block_size
-        cache = past_key_values
-        if cache is None or input_ids.size(1) > block_size:
-            cache = DecodeCache()  # no cache can slide (positions), so the window is recomputed
-        return {**inputs, "input_ids": input_ids[:, cache.length:][:, -block_size:], "past_key_values": cache}
+        cache, new = window(past_key_values, input_ids, self.model.config.block_size)
+        return {**inputs, "input_ids": new, "past_key_values": cache}
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, logits_to_keep: int = 0,

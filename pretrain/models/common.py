@@ -175,6 +175,16 @@ def sample_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int | N
     return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1).squeeze(-1)
 
 
+def window(cache: DecodeCache | None, idx: torch.Tensor, block_size: int) -> tuple[DecodeCache, torch.Tensor]:
+    """(cache, tokens to feed it) for the logits after the sequence idx [B, T], given the cache of
+    idx's earlier tokens: the tokens the cache has not seen; with no cache yet, or once idx
+    passes the block size, a fresh cache and the last block_size tokens (no cache can slide:
+    learned positions and deeper rotary keys depend on the dropped tokens)."""
+    if cache is None or idx.size(1) > block_size:
+        cache = DecodeCache()
+    return cache, idx[:, cache.length:][:, -block_size:]
+
+
 @torch.no_grad()
 def decode(model: LanguageModel, prompts: torch.Tensor, max_new_tokens: int,
            choose: Callable[[torch.Tensor], torch.Tensor], prompt_lengths: list[int] | None = None,
@@ -192,18 +202,14 @@ def decode(model: LanguageModel, prompts: torch.Tensor, max_new_tokens: int,
     lengths = torch.tensor(prompt_lengths or [prompts.size(1)] * prompts.size(0), device=prompts.device)
     position = int(lengths.min())
     idx = prompts[:, :position]
-    cache = DecodeCache()
-    logits = model.next_token_logits(idx[:, -block_size:], cache, **logit_options)
-    slid = False
+    cache, slid = None, False
     for i in range(int(lengths.max()) - position + max_new_tokens):
-        if i and cache.length < block_size:
-            logits = model.next_token_logits(idx[:, -1:], cache, **logit_options)
-        elif i:
-            if not slid and on_slide is not None:
-                on_slide()
+        if i and idx.size(1) > block_size and not slid:
             slid = True
-            cache = DecodeCache()
-            logits = model.next_token_logits(idx[:, -block_size:], cache, **logit_options)
+            if on_slide is not None:
+                on_slide()
+        cache, new = window(cache, idx, block_size)
+        logits = model.next_token_logits(new, cache, **logit_options)
         token = choose(logits)
         if position < prompts.size(1):  # rows still inside their prompt keep its token
             token = torch.where(lengths > position, prompts[:, position], token)
