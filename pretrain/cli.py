@@ -3,7 +3,9 @@ with one line on stderr and exit status 130, and a reader of its output that goe
 stops it quietly. (The trainer handles its own signals: it saves a checkpoint first.)"""
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
 from typing import Callable
 
@@ -11,6 +13,12 @@ INTERRUPTED = 130
 """128 + SIGINT: what a shell reports for a command stopped by Ctrl-C."""
 READER_GONE = 141
 """128 + SIGPIPE: what a shell reports for a command whose output pipe was closed."""
+INTERRUPTED_LINE = "error: interrupted"
+
+
+def say_interrupted() -> None:
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank gets the signal
+        print(f"\n{INTERRUPTED_LINE}", file=sys.stderr, flush=True)
 
 
 def run_command(main: Callable[[], int | None]) -> None:
@@ -18,11 +26,36 @@ def run_command(main: Callable[[], int | None]) -> None:
     try:
         code = main() or 0
     except KeyboardInterrupt:
-        if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank gets the signal
-            print("\nerror: interrupted", file=sys.stderr, flush=True)
+        say_interrupted()
         code = INTERRUPTED
     except BrokenPipeError:
         # nothing more can be shown; the interpreter's last flush of stdout would fail again
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         code = READER_GONE
     sys.exit(code)
+
+
+def end_interrupted_starts_in_one_line() -> None:
+    """Called by the packages' `__init__`. A command's module imports torch and DeepSpeed for
+    seconds before its main() runs, so a Ctrl-C then is caught by nobody and Python prints a
+    traceback of importlib frames. This ends such a Ctrl-C as `run_command` ends one: the line,
+    status 130, and the code the torchrun launcher reads. It acts only while Python is starting a
+    `python -m` command (sys.argv[0] is "-m" while the module is being located, as documented),
+    so a program that imports the package keeps Python's own handling."""
+    if sys.argv[:1] != ["-m"] or sys.excepthook is not sys.__excepthook__:
+        return
+
+    def on_uncaught(kind, value, traceback) -> None:
+        if not issubclass(kind, KeyboardInterrupt):
+            sys.__excepthook__(kind, value, traceback)
+            return
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # torchrun forwards the same Ctrl-C again
+        say_interrupted()
+        from pretrain.torchrun import write_exit_file
+
+        write_exit_file(INTERRUPTED, INTERRUPTED_LINE)
+        with contextlib.suppress(OSError, ValueError):
+            sys.stdout.flush()
+        os._exit(INTERRUPTED)  # the command had not started: nothing of its own to clean up
+
+    sys.excepthook = on_uncaught

@@ -33,6 +33,7 @@ import torch.distributed as dist
 import yaml
 
 from pretrain.checkpoint import CheckpointError, CheckpointManager, ResumeState, data_identity
+from pretrain.cli import INTERRUPTED, INTERRUPTED_LINE
 from pretrain.config import (ConfigError, RunConfig, gradient_accumulation_steps, load_config,
                              model_config, resolved_precision, to_dict, validate)
 from pretrain.engine import (configure_device_math, deepspeed_config, distributed_env, initialize,
@@ -49,7 +50,7 @@ from pretrain.summary import RunRecord
 
 EXIT_PREEMPTED = 75
 """EX_TEMPFAIL: stopped by SIGTERM/SIGUSR1/SIGINT after saving a checkpoint; rerun to resume."""
-EXIT_ABORTED = 130
+EXIT_ABORTED = INTERRUPTED
 """A second Ctrl-C: stopped at once, without saving (the last checkpoint stays the resume point)."""
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
@@ -486,10 +487,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError, NonFiniteError, CheckpointError) as e:
         error = f"error: {e}"
         code = 2 if isinstance(e, (ConfigError, DataError)) else 1
-    except (Aborted, KeyboardInterrupt):
+    except Aborted:
         error = ("error: interrupted again: stopped without saving; rerun the same command to "
                  "resume from the last checkpoint")
         code = EXIT_ABORTED
+    except KeyboardInterrupt:  # before the trainer's own handler was installed, or after
+        error, code = INTERRUPTED_LINE, INTERRUPTED
     if error and int(os.environ.get("RANK", "0")) == 0:
         print(error, file=sys.stderr, flush=True)
     if dist.is_initialized():

@@ -221,6 +221,56 @@ def test_a_second_ctrl_c_aborts_but_the_same_keypress_twice_does_not(monkeypatch
         trainer._on_signal(signal.SIGINT, None)
 
 
+def importing_torch(proc: subprocess.Popen, module: str) -> int:
+    """How many of proc and its children run `python -m MODULE` (not its --check) and have begun
+    importing torch (its library is mapped): from then on the command needs seconds more before its
+    main() runs."""
+    count = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            started = module.encode() == argv[argv.index(b"-m") + 1] and b"--check" not in argv
+            count += proc.pid in (int(entry.name), parent) and started and "libtorch" in (entry / "maps").read_text()
+        except (OSError, ValueError):  # not one of ours, or gone meanwhile
+            continue
+    return count
+
+
+@pytest.mark.parametrize("launch", ["sample", "prepare", "torchrun.sh"])
+def test_ctrl_c_while_a_command_is_still_starting_is_one_line(tmp_path, launch):
+    """Ctrl-C while the command (under torchrun.sh: both trainer ranks) still imports torch, before
+    its main() could catch it: the one line and 130, no traceback (and none from torchrun)."""
+    env = runs.child_env()
+    if launch == "torchrun.sh":
+        command = ["bash", "launch/torchrun.sh", str(runs.base_config_file()), f"output_root={tmp_path}"]
+        env = runs.child_env(NPROC_PER_NODE="2", PYTHON=runs.PYTHON, MASTER_PORT=str(runs.free_port()))
+        module, processes = "pretrain.train", 2
+    else:  # had the Ctrl-C come too late, these would end otherwise (2: no such run; 0: help)
+        module, processes = {"sample": "pretrain.sample", "prepare": "data_pipeline.prepare"}[launch], 1
+        command = [runs.PYTHON, "-m", module, *(["no-such-run", "--prompt", "x"] if launch == "sample" else ["--help"])]
+    # a session of its own, with SIGINT at its default (a suite run as a background job has it
+    # ignored, and Python would inherit that): a terminal's Ctrl-C signals its process group
+    proc = subprocess.Popen(command, cwd=runs.REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + 240
+        while importing_torch(proc, module) < processes:
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, f"{module} did not start"
+            time.sleep(0.01)
+        os.killpg(proc.pid, signal.SIGINT)  # torchrun forwards it to the ranks (sessions of their own)
+        _, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err[-3000:]
+    assert one_error_line(err) == "error: interrupted"
+
+
 def test_a_bad_launch_under_torchrun_is_one_line_with_the_trainers_code(tmp_path):
     env = runs.child_env(NPROC_PER_NODE="2", PYTHON=runs.PYTHON, MASTER_PORT=str(runs.free_port()))
     bad_config = subprocess.run(["bash", "launch/torchrun.sh", str(runs.base_config_file()),
