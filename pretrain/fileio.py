@@ -1,6 +1,7 @@
-"""Small file utilities every component shares: atomic writes and Markdown tables."""
+"""Small file utilities every component shares: atomic writes, JSON reads and Markdown tables."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from contextlib import contextmanager
@@ -23,6 +24,15 @@ def atomic_write(path: str | Path, write: Callable[[Path], Any]) -> Path:
 
 def atomic_write_text(path: str | Path, text: str) -> Path:
     return atomic_write(path, lambda tmp: tmp.write_text(text))
+
+
+def read_json(path: str | Path, error: type[Exception] = ValueError) -> Any:
+    """The JSON document in `path`, or `error` with one line naming the file and what is wrong
+    with it (damaged, cut short, unreadable)."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise error(f"{path}: not a readable JSON file ({e})") from None
 
 
 @contextmanager

@@ -23,6 +23,7 @@ import torch.nn as nn
 
 from pretrain import checkpoint
 from pretrain.config import to_dict
+from pretrain.fileio import read_json
 from pretrain.models import build, family_name, resolve
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -109,7 +110,19 @@ def _read_manifest(data_path: str | None) -> dict | None:
     if not data_path:
         return None
     file = Path(data_path) / "manifest.json"
-    return json.loads(file.read_text()) if file.is_file() else None
+    return read_json(file, LoadError) if file.is_file() else None
+
+
+def read_safetensors(file: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(tensors, metadata) of a safetensors file; LoadError when it is not one or is damaged (cut
+    short, a broken header). The format has no checksum: changed tensor bytes go unseen."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return {name: f.get_tensor(name) for name in f.keys()}, f.metadata() or {}
+    except (SafetensorError, OSError) as e:
+        raise LoadError(f"{file}: not a readable safetensors file ({e})") from None
 
 
 def load_weights(model: nn.Module, tensors: dict[str, torch.Tensor], source: Path,
@@ -147,16 +160,12 @@ def load_trained(source: str | Path, device: str | torch.device = "cpu", dtype: 
         raise LoadError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     path, manifest = Path(source), None
     if path.is_file() and path.suffix == ".safetensors":
-        from safetensors import safe_open
-        from safetensors.torch import load_file
-
-        with safe_open(str(path), framework="pt") as f:
-            metadata = f.metadata() or {}
+        state, metadata = read_safetensors(path)
         if "flavor" not in metadata:
             raise LoadError(f"{source}: not a model exported by pretrain.export (no flavor in its metadata)")
         flavor, raw_model_config = metadata["flavor"], json.loads(metadata["model_config"])
         run_config = json.loads(metadata.get("run_config", "{}"))
-        state, step = load_file(str(path)), int(metadata.get("step", 0))
+        step = int(metadata.get("step", 0))
     elif (path / "config.json").is_file():
         from pretrain.hf.load import read_export
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -390,6 +391,41 @@ def test_export_bad_input_is_one_line_and_writes_nothing(run_exports, tmp_path, 
     assert export.main([run, "--format", "hf", "--out", str(occupied), "--overwrite"]) == 0
     assert not (occupied / "notes.txt").exists() and (occupied / "modeling_nrgpt.py").is_file()
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no staging left
+
+
+def test_a_damaged_export_is_refused_in_one_line_naming_the_file(built_exports, run_exports, tmp_path, capsys):
+    """Sampling, evaluation and model.init_from read exports back: a file cut short or broken is
+    refused by name. (The safetensors format has no checksum: changed tensor bytes pass unseen.)"""
+    from pretrain import sample
+
+    def cut_short(file: Path) -> None:
+        file.write_bytes(file.read_bytes()[:4000])
+
+    def broken_json(file: Path) -> None:
+        file.write_text('{"model_type": ')
+
+    damaged = []
+    for damage, name in ((cut_short, "model.safetensors"), (broken_json, "config.json"),
+                         (broken_json, "training_run.json")):
+        copy = shutil.copytree(built_exports["nrgpt"][1], tmp_path / name)
+        damage(copy / name)
+        damaged.append((copy, copy / name))
+    single = tmp_path / "nrgpt.safetensors"
+    export.export(runs.run_dir("nrgpt-z2"), single)
+    cut_short(single)
+    damaged.append((single, single))
+    for source, file in damaged:
+        expected = f"{file}: not a readable {'JSON' if file.suffix == '.json' else 'safetensors'} file ("
+        with pytest.raises(LoadError, match=re.escape(expected)):
+            load_trained(source)
+        if file.name != "training_run.json" and source.is_dir():  # what init_from reads
+            model = build(resolve("nrgpt-tiny", {"vocab_size": PADDED_GPT2_VOCAB, "block_size": 32}))
+            with pytest.raises(LoadError, match=re.escape(expected)):
+                load_pretrained_weights(model, source)
+        capsys.readouterr()
+        assert sample.main([str(source), "--prompt", "a"]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err.startswith(f"error: {expected}") and captured.err.count("\n") == 1
 
 
 def test_a_failing_export_leaves_out_untouched(run_exports, tmp_path):

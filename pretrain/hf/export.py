@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from pretrain.fileio import atomic_directory, markdown_table
+from pretrain.fileio import atomic_directory, markdown_table, read_json
 from pretrain.hf import native
 from pretrain.hf.load import CODE_PREFIX, RUN_FILE
 from pretrain.models import build, family_name, model_class
@@ -243,7 +243,7 @@ def _run_summary(trained: TrainedModel) -> dict | None:
     file = tag_dir.parent.parent / SUMMARY_FILE if tag_dir.parent.name == "ckpt" else None
     if file is None or not file.is_file():
         return None
-    summary = json.loads(file.read_text())
+    summary = read_json(file)
     return summary if summary.get("steps") == trained.step else None
 
 

@@ -2,7 +2,6 @@
 checkpoint of matching shape, or an export of this project (`model.init_from`, `load_trained`)."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +9,8 @@ import torch
 
 from pretrain.hf import native
 from pretrain.models import family_name
-from pretrain.trained import LoadError, load_weights
+from pretrain.fileio import read_json
+from pretrain.trained import LoadError, load_weights, read_safetensors
 
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
@@ -26,7 +26,7 @@ def is_hf_directory(path: Path) -> bool:
 
 def read_config(directory: Path) -> dict[str, Any]:
     """config.json; for native types as transformers reads it (its defaults filled in)."""
-    raw = json.loads((directory / "config.json").read_text())
+    raw = read_json(directory / "config.json", LoadError)
     if raw.get("model_type") in native.ARCHITECTURES:
         from transformers import AutoConfig
 
@@ -40,18 +40,16 @@ def read_export(directory: Path) -> dict[str, Any]:
     if not file.is_file():
         raise LoadError(f"{directory}: a Hugging Face directory without {RUN_FILE}, i.e. not written by "
                         "pretrain.export (to train from it, use model.init_from)")
-    return json.loads(file.read_text())
+    return read_json(file, LoadError)
 
 
 def read_tensors(directory: Path) -> dict[str, torch.Tensor]:
     """Every tensor of the directory's safetensors weights (one file or an indexed set)."""
-    from safetensors.torch import load_file
-
     if (directory / WEIGHTS_FILE).is_file():
-        return load_file(str(directory / WEIGHTS_FILE))
+        return read_safetensors(directory / WEIGHTS_FILE)[0]
     if (directory / WEIGHTS_INDEX).is_file():
-        files = sorted(set(json.loads((directory / WEIGHTS_INDEX).read_text())["weight_map"].values()))
-        return {name: t for file in files for name, t in load_file(str(directory / file)).items()}
+        files = sorted(set(read_json(directory / WEIGHTS_INDEX, LoadError)["weight_map"].values()))
+        return {name: t for file in files for name, t in read_safetensors(directory / file)[0].items()}
     raise LoadError(f"{directory}: no {WEIGHTS_FILE} (or {WEIGHTS_INDEX}); only safetensors weights are read")
 
 

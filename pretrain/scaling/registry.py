@@ -6,11 +6,11 @@ reported as missing, never silently dropped, and unreadable summaries are report
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pretrain.fileio import read_json
 from pretrain.summary import SUMMARY_FILE, RunRecord
 
 CONFIG_FILE = "config.yaml"
@@ -69,8 +69,8 @@ def load_registry(paths: list[str | Path]) -> Registry:
             registry.missing.append(run_dir)
             continue
         try:
-            record = RunRecord.from_dict(json.loads(summary.read_text()), str(summary))
-        except (ValueError, json.JSONDecodeError) as err:
+            record = RunRecord.from_dict(read_json(summary), str(summary))
+        except ValueError as err:
             registry.invalid.append((run_dir, str(err)))
             continue
         registry.records.append((run_dir, record))
@@ -86,4 +86,4 @@ def _sweep_cells(sweep_dir: Path) -> dict[str, dict[str, Any]]:
     path = sweep_dir / SWEEP_FILE
     if not path.is_file():
         return {}
-    return json.loads(path.read_text())["runs"]
+    return read_json(path)["runs"]

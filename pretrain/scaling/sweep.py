@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from pretrain.fileio import atomic_write_text
+from pretrain.fileio import atomic_write_text, read_json
 from pretrain.typed import parse_override, read_typed
 from pretrain.scaling.registry import SUMMARY_FILE, SWEEP_FILE
 
@@ -376,7 +376,7 @@ def write_run_configs(sweep: Sweep, runs: list[RunSpec]) -> list[Path]:
     # Entries of runs from an earlier definition of the sweep stay (e.g. a learning rate added
     # later for one family): their runs are on disk, and their cells must stay their cells.
     index_path = sweep.directory / SWEEP_FILE
-    known = json.loads(index_path.read_text())["runs"] if index_path.is_file() else {}
+    known = read_json(index_path)["runs"] if index_path.is_file() else {}
     index = {"sweep": sweep.name,
              "runs": known | {r.run_name: {"group": r.group, "size": r.size, "budget": r.budget,
                                    "cell": r.cell, "axes": r.axes,

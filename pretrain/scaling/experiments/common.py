@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import torch
 
+from pretrain.fileio import read_json
 from pretrain.scaling import launch
 from pretrain.scaling.registry import RunRecord
 from pretrain.scaling.plots import pyplot
@@ -42,7 +43,7 @@ def train_and_evaluate(path: str, key: str, evaluate: Callable[[RunSpec, Path], 
     finished = []
     for run in train_sweep(sweep, lambda run: run.non_embedding_params):
         run_dir = sweep.directory / run.run_name
-        summary = json.loads((run_dir / "summary.json").read_text())
+        summary = read_json(run_dir / "summary.json")
         evaluation = cached(run_dir, key, lambda: evaluate(run, run_dir))
         finished.append(FinishedRun(run, RunRecord.from_dict(summary, str(run_dir)), run_dir,
                                     evaluation))
@@ -85,7 +86,7 @@ def cached(run_dir: Path, key: str, compute: Callable[[], dict[str, Any]]) -> di
     """`compute()` once per run and key; kept in RUN_DIR/experiment_eval.json, so rerunning an
     experiment only evaluates runs it has not evaluated yet."""
     path = run_dir / EVAL_FILE
-    results = json.loads(path.read_text()) if path.is_file() else {}
+    results = read_json(path) if path.is_file() else {}
     if key not in results:
         results[key] = compute()
         tmp = path.with_suffix(".tmp")
