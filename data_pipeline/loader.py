@@ -36,9 +36,10 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from data_pipeline.packing import SHARD_HASH, read_manifest
+from data_pipeline.packing import INDEX, SHARD_HASH, read_manifest
 from data_pipeline.sources import DataError
 from data_pipeline.streaming_compat import streaming
+from pretrain.fileio import read_json
 
 READY_AHEAD = 4096
 """Streaming's `predownload`: how many samples its background threads run ahead of the reader.
@@ -258,6 +259,10 @@ def _split_dir(data_dir: str, manifest: dict, split: str) -> str:
     if split not in manifest["splits"] or not os.path.isdir(split_dir):
         raise DataError(f"{data_dir} has no split {split!r} "
                         f"(splits: {', '.join(manifest['splits'])})")
+    index = os.path.join(split_dir, INDEX)
+    if not os.path.isfile(index):
+        raise DataError(f"{index} is missing: the {split} split is incomplete; prepare the dataset again")
+    read_json(index, DataError)  # streaming would read a damaged one into a traceback
     return split_dir
 
 

@@ -18,8 +18,11 @@ from tqdm import tqdm
 from data_pipeline.sources import DataError
 from data_pipeline.streaming_compat import streaming
 from data_pipeline.tokenizer import UINT16_LIMIT
+from pretrain.fileio import read_json
 
 MANIFEST = "manifest.json"
+INDEX = "index.json"
+"""Streaming's index of a split's shards (sizes and checksums), one per split directory."""
 SHARD_HASH = "xxh64"
 """Checksum recorded for every shard."""
 
@@ -30,8 +33,7 @@ def read_manifest(data_dir: str) -> dict:
     if not os.path.isfile(path):
         raise DataError(f"{data_dir} is not a prepared dataset (no {MANIFEST}); run "
                         "python -m data_pipeline.prepare first")
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    return read_json(path, DataError)
 
 
 def write_manifest(data_dir: str, manifest: dict) -> None:

@@ -400,14 +400,17 @@ def _check_out_dir(out: str, settings: dict, overwrite: bool, source: Source) ->
         return None
     if not os.path.isdir(out):
         raise DataError(f"--out {out} exists and is not a directory")
-    manifest = existing_manifest(out)
-    if manifest is None:
+    if not os.path.isfile(os.path.join(out, MANIFEST)):
         if os.listdir(out):
             raise DataError(f"--out {out} is a non-empty directory that holds no dataset "
                             f"({MANIFEST} missing); refusing to write into it")
         return None
-    if overwrite:
+    if overwrite:  # whatever dataset it holds, one with a damaged manifest too
         return None
+    try:
+        manifest = read_manifest(out)
+    except DataError as e:
+        raise DataError(f"{e}; pass --overwrite to rebuild the dataset") from None
     mismatch = settings_mismatch(manifest, settings)
     if mismatch:
         raise DataError(f"--out {out} already holds a different dataset ({mismatch}); "
@@ -465,7 +468,12 @@ def ensure_prepared(path: str, source: str, *, seq_len: int, tokenizer: str = "g
     def current() -> dict | None:
         """The manifest if `path` holds this dataset; None if it holds none (or, with
         `overwrite`, a stale one)."""
-        manifest = existing_manifest(path)
+        try:
+            manifest = existing_manifest(path)
+        except DataError:  # a damaged manifest
+            if overwrite:
+                return None
+            raise
         if manifest is None:
             return None
         mismatch = settings_mismatch(manifest, settings)

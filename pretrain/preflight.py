@@ -15,12 +15,15 @@ from pretrain.config import ConfigError, RunConfig, model_config, padded_vocab
 def preflight(cfg: RunConfig, checkpoints: CheckpointManager, checking_only: bool = False) -> None:
     """What every launch checks before any work (the config itself was validated already):
     the output root can take the run directory, the checkpoint to resume from (intact,
-    compatible) and, if the dataset exists already, that it fits the model. `Trainer.setup`
+    compatible) and, if the dataset exists already and is not to be rebuilt (`data.overwrite`),
+    that it fits the model. `Trainer.setup`
     starts with these; `--check` runs them alone, once, before a launcher starts the ranks."""
     from data_pipeline.prepare import existing_manifest
 
     check_output_root(cfg)
     checkpoints.resume_point(checking_only)
+    if cfg.data.source and cfg.data.overwrite:
+        return  # the dataset there may be rebuilt first; `Trainer.prepare_data` checks it then
     manifest = existing_manifest(cfg.data.path)
     if manifest is not None:
         check_dataset(cfg, manifest)

@@ -106,6 +106,20 @@ def test_existing_different_dataset_is_refused_unless_overwrite(tmp_path, capsys
     assert code == 1 and "holds no dataset" in capsys.readouterr().err
 
 
+def test_a_damaged_manifest_is_refused_in_one_line_and_rebuilt_with_overwrite(tmp_path, capsys):
+    corpus = jsonl(tmp_path / "c.jsonl", GOOD)
+    code, _, out = run_cli(capsys, tmp_path, "--source", f"jsonl:{corpus}")
+    assert code == 0
+    manifest = os.path.join(out, "manifest.json")
+    write(manifest, open(manifest).read()[:50])  # cut short
+    code, err, _ = run_cli(capsys, tmp_path, "--source", f"jsonl:{corpus}")
+    assert code == 1 and err.count("\n") == 1
+    assert err.startswith(f"error: {manifest}: not a readable JSON file (")
+    assert err.rstrip().endswith("; pass --overwrite to rebuild the dataset")
+    assert run_cli(capsys, tmp_path, "--source", f"jsonl:{corpus}", "--overwrite")[0] == 0
+    assert json.load(open(manifest))["splits"]["train"]["docs"] == len(GOOD)
+
+
 def test_command_line_exit_status(tmp_path):
     done = subprocess.run([sys.executable, "-m", "data_pipeline.prepare", "--source",
                            f"jsonl:{tmp_path}/missing.jsonl", "--out", str(tmp_path / "o")],

@@ -164,6 +164,23 @@ def test_corrupted_or_truncated_shard_is_named(tiny_dataset, tmp_path):
         build_loader(copy, "train", micro_batch_size=2, seed=0)
 
 
+@pytest.mark.parametrize("damage", ["manifest.json cut short", "index.json cut short", "index.json missing"])
+def test_a_damaged_manifest_or_index_is_named(tiny_dataset, tmp_path, damage):
+    """Streaming would read a broken index.json into a traceback of its own."""
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_dataset, copy)
+    name, how = damage.split(" ", 1)
+    file = copy / ("train" if name == "index.json" else "") / name
+    if how == "missing":
+        file.unlink()
+        message = rf"{file} is missing: the train split is incomplete"
+    else:
+        file.write_bytes(file.read_bytes()[:40])
+        message = rf"{file}: not a readable JSON file \("
+    with pytest.raises(DataError, match=message):
+        build_loader(str(copy), "train", micro_batch_size=2, seed=0)
+
+
 def test_zstd_dataset_reads_like_uncompressed(tiny_dataset, corpus_jsonl, tmp_path):
     out = str(tmp_path / "zstd")
     prepare(f"jsonl:{corpus_jsonl}", out, compression="zstd", **TINY_SETTINGS)

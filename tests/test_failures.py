@@ -222,19 +222,16 @@ def test_a_second_ctrl_c_aborts_but_the_same_keypress_twice_does_not(monkeypatch
 
 
 def importing_torch(proc: subprocess.Popen, module: str) -> int:
-    """How many of proc and its children run `python -m MODULE` (not its --check) and have begun
-    importing torch (its library is mapped): from then on the command needs seconds more before its
-    main() runs."""
+    """How many of proc and its descendants run `python -m MODULE` (not its --check) and have
+    begun importing torch (its library is mapped): from then on the command needs seconds more
+    before its main() runs."""
     count = 0
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for pid in runs.process_tree(proc.pid):
         try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             started = module.encode() == argv[argv.index(b"-m") + 1] and b"--check" not in argv
-            count += proc.pid in (int(entry.name), parent) and started and "libtorch" in (entry / "maps").read_text()
-        except (OSError, ValueError):  # not one of ours, or gone meanwhile
+            count += started and "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+        except (OSError, ValueError):  # not a python -m command, or gone meanwhile
             continue
     return count
 
@@ -269,6 +266,20 @@ def test_ctrl_c_while_a_command_is_still_starting_is_one_line(tmp_path, launch):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 130, err[-3000:]
     assert one_error_line(err) == "error: interrupted"
+
+
+def test_data_overwrite_rebuilds_a_dataset_prepared_for_another_seq_len(tmp_path):
+    """The launch checks must not refuse a dataset that data.overwrite is about to rebuild."""
+    data = tmp_path / "data"
+    shutil.copytree(runs.char_dataset(), data)
+    asked = [*ONE_PROCESS[:2], "train.max_steps=1", f"output_root={tmp_path}", f"data.path={data}",
+             "data.source=shakespeare", "data.tokenizer=char", "data.val_fraction=0.05", "data.seq_len=16"]
+    refused = runs.train_here([*asked, "run_name=refused"])
+    assert refused.returncode == 2
+    assert "the dataset at" in one_error_line(refused.stderr) and "seq_len=32" in refused.stderr
+    rebuilt = runs.train_here([*asked, "run_name=rebuilt", "data.overwrite=true"])
+    assert rebuilt.returncode == 0, rebuilt.stderr[-3000:]
+    assert json.loads((data / "manifest.json").read_text())["seq_len"] == 16
 
 
 def test_a_bad_launch_under_torchrun_is_one_line_with_the_trainers_code(tmp_path):
