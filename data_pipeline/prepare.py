@@ -44,7 +44,7 @@ from data_pipeline.sources import (DataError, Source, SourceStats, archive_texts
                                    fingerprint_change, parse_source)
 from data_pipeline.streaming_compat import streaming
 from data_pipeline.tokenizer import CharTokenizer, GPT2Tokenizer, tokenizer_from_spec
-from pretrain.cli import run_command
+from pretrain.cli import ArgumentParser, run_command
 
 FORMAT_VERSION = 1
 SPLITS = ("train", "val")
@@ -504,15 +504,9 @@ def ensure_prepared(path: str, source: str, *, seq_len: int, tokenizer: str = "g
 
 # --- command line --------------------------------------------------------------------------------
 
-class _ArgumentParser(argparse.ArgumentParser):
-    def error(self, message: str):
-        # One line, like every other bad-input error (argparse would add the usage first).
-        self.exit(2, f"error: {message} (see --help)\n")
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = _ArgumentParser(prog="python -m data_pipeline.prepare", description=__doc__.split("\n\n")[0],
-                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = ArgumentParser(prog="python -m data_pipeline.prepare", description=__doc__.split("\n\n")[0],
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--source", required=True,
                         help="openwebtext | shakespeare | listops | hf:NAME[:CONFIG] | "
                              "text:PATH | jsonl:PATH | parquet:PATH (file, directory or glob)")

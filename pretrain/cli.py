@@ -3,17 +3,26 @@ with one line on stderr and exit status 130, and a reader of its output that goe
 stops it quietly. (The trainer handles its own signals: it saves a checkpoint first.)"""
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import signal
 import sys
-from typing import Callable
+from typing import Callable, NoReturn
 
 INTERRUPTED = 130
 """128 + SIGINT: what a shell reports for a command stopped by Ctrl-C."""
 READER_GONE = 141
 """128 + SIGPIPE: what a shell reports for a command whose output pipe was closed."""
 INTERRUPTED_LINE = "error: interrupted"
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """Every command's parser: a usage error is one `error: ...` line and status 2, like every
+    other bad input (argparse would print its usage first)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message} (see --help)\n")
 
 
 def say_interrupted() -> None:

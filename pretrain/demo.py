@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pretrain.cli import run_command
+from pretrain.cli import ArgumentParser, run_command
 from pretrain.config import load_config
 
 OUTPUT_ROOT = Path("checkpoints/demo")
@@ -116,9 +116,11 @@ def summary_table(runs: list[DemoRun]) -> str:
     return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     from data_pipeline.prepare import ensure_prepared
 
+    # no options; `--help` describes the demo instead of starting it
+    ArgumentParser(prog="python -m pretrain.demo", description=__doc__.split("\n\n")[0]).parse_args(argv)
     start = time.perf_counter()
     data = load_config(RUNS[0].config).data
     print(f"=== preparing {data.path} from the bundled Shakespeare ({data.tokenizer}) if needed ===", flush=True)

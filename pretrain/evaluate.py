@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pretrain.cli import run_command
+from pretrain.cli import ArgumentParser, run_command
 from pretrain.config import EvalSection
 
 
@@ -156,14 +156,8 @@ def _step_list(text: str) -> list[int]:
     return steps
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, as every other bad input
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(2)
-
-
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = _Parser(prog="python -m pretrain.evaluate",
+    parser = ArgumentParser(prog="python -m pretrain.evaluate",
                      description="Downstream evaluation of a trained model on lm-evaluation-harness, offline.")
     parser.add_argument("source", help="run directory, checkpoint directory or exported .safetensors file")
     parser.add_argument("--checkpoint", help="checkpoint of the run directory: a tag (step_00001000) or a step")

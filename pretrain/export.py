@@ -16,7 +16,6 @@ gpt_rec, nrgpt and ebt, with the tokenizer and a model card. An existing `--out`
 only with `--overwrite`; either output appears only when complete."""
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shlex
@@ -27,7 +26,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from pretrain.cli import run_command
+from pretrain.cli import ArgumentParser, run_command
 from pretrain.fileio import atomic_write
 from pretrain.trained import load_trained
 
@@ -53,7 +52,7 @@ def load(path: str | Path) -> torch.nn.Module:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pretrain.export", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m pretrain.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", help="run directory (its newest complete checkpoint), or one checkpoint")
     parser.add_argument("--out", required=True, help="output .safetensors file, or directory for --format hf")
     parser.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",

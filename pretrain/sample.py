@@ -16,14 +16,13 @@ slides: each further token recomputes the last block_size tokens (said once on s
 input is one line on stderr (`error: ...`) and exit status 2."""
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from pretrain.cli import run_command
+from pretrain.cli import ArgumentParser, run_command
 from pretrain.models.common import decode, sample_logits
 from pretrain.trained import DTYPES, LoadError, TrainedModel, load_trained
 
@@ -169,7 +168,7 @@ def sample(args, out=sys.stdout, err=sys.stderr) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pretrain.sample", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m pretrain.sample", description=__doc__.split("\n\n")[0])
     parser.add_argument("source", help="run directory (its newest complete checkpoint), one checkpoint, or an export")
     parser.add_argument("--prompt", action="append", help="prompt text (repeat for several prompts)")
     parser.add_argument("--prompt-file", action="append", help="file whose whole text is one prompt (repeatable)")

@@ -18,7 +18,6 @@ checkpoint with no intact one, repeated non-finite updates), 75 (EX_TEMPFAIL) ch
 after SIGTERM/SIGUSR1/Ctrl-C: rerun or requeue to resume, 130 Ctrl-C twice (not saved)."""
 from __future__ import annotations
 
-import argparse
 import gc
 import math
 import os
@@ -33,7 +32,7 @@ import torch.distributed as dist
 import yaml
 
 from pretrain.checkpoint import CheckpointError, CheckpointManager, ResumeState, data_identity
-from pretrain.cli import INTERRUPTED, INTERRUPTED_LINE
+from pretrain.cli import INTERRUPTED, INTERRUPTED_LINE, ArgumentParser
 from pretrain.config import (ConfigError, RunConfig, gradient_accumulation_steps, load_config,
                              model_config, resolved_precision, to_dict, validate)
 from pretrain.engine import (configure_device_math, deepspeed_config, distributed_env, initialize,
@@ -462,7 +461,7 @@ def run(cfg: RunConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pretrain.train", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m pretrain.train", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="YAML run config (configs/...)")
     parser.add_argument("--check", action="store_true",
                         help="only check the config, the data and the checkpoint to resume from, then exit")

@@ -1,6 +1,6 @@
 """One sweep over the bad inputs a new user gives the command-line tools: every one ends in a
-one-line error (argparse's usage + error for malformed command lines) or an explicit warning,
-never a traceback, and never exit 0 when it failed. The commands run in-process (their `main`),
+one-line error (malformed command lines too: no usage text) or an explicit warning, never a
+traceback, and never exit 0 when it failed. The commands run in-process (their `main`),
 the trainer as `--check`, which runs exactly the checks a launch makes before any work."""
 from __future__ import annotations
 
@@ -175,6 +175,17 @@ CASES = {
     # scaling
     "sweep file missing": (("pretrain.scaling", ["run", "{root}/nosweep.yaml"]), "nosweep.yaml"),
     "fit of a missing directory": (("pretrain.scaling", ["fit", "{root}/nothing"]), "nothing"),
+    # malformed command lines, one per command
+    "trainer option unknown": (train("--config", "{config}", "--bogus"), "unrecognized arguments: --bogus (see --help)"),
+    "trainer without a config": (train(), "the following arguments are required: --config"),
+    "prepare without a source": (prepare("--out", "{root}/o9"), "required: --source"),
+    "export format unknown": (("pretrain.export", ["{runs}/done", "--format", "onnx", "--out", "{root}/x"]),
+                              "invalid choice: 'onnx'"),
+    "sample option unknown": (sample("{empty_run}", "--beams", "4"), "unrecognized arguments: --beams 4"),
+    "evaluate without tasks": (evaluate("{empty_run}"), "required: --tasks"),
+    "scaling command unknown": (("pretrain.scaling", ["sweep"]), "invalid choice: 'sweep'"),
+    "models with an argument": (("pretrain.models", ["gpt"]), "unrecognized arguments: gpt"),
+    "demo with an option": (("pretrain.demo", ["--fast"]), "unrecognized arguments: --fast"),
 }
 
 
@@ -187,8 +198,8 @@ def test_bad_input_is_one_line(world, case):
     assert code != 0, f"{case}: exit 0\n{err[-2000:]}"
     assert "Traceback" not in err, err[-3000:]
     lines = [line for line in err.splitlines() if line.strip() and not line.startswith(("warning:", "["))]
-    errors = [line for line in lines if "error: " in line]
-    assert len(errors) == 1 and lines[-1] == errors[0], f"{case}:\n{err[-3000:]}"
+    errors = [line for line in lines if line.startswith("error: ")]
+    assert len(errors) == 1 and lines == errors, f"{case}:\n{err[-3000:]}"
     assert expected in errors[0], f"{case}: {errors[0]!r} lacks {expected!r}"
 
 

@@ -171,7 +171,8 @@ def command_here(module: str, argv: list[str]) -> subprocess.CompletedProcess:
     import importlib
     import io
 
-    main = importlib.import_module(module if module != "pretrain.scaling" else "pretrain.scaling.__main__").main
+    package_commands = ("pretrain.scaling", "pretrain.models")  # python -m runs their __main__
+    main = importlib.import_module(f"{module}.__main__" if module in package_commands else module).main
     saved = {name: os.environ.pop(name) for name in LAUNCH_VARIABLES if name in os.environ}
     out, err = io.StringIO(), io.StringIO()
     try:

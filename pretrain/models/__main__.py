@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from pretrain.cli import run_command
+from pretrain.cli import ArgumentParser, run_command
 from pretrain.models import FLAVORS, build
 
 
@@ -24,7 +24,9 @@ def count(n: int) -> str:
     return f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.1f}K"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    ArgumentParser(prog="python -m pretrain.models",
+                   description="Print the registered flavors with their sizes and FLOPs per token.").parse_args(argv)
     header = ("flavor", "family", "context", "params", "non-embedding", "train FLOPs/token")
     table = [header] + [(name, family, str(context), count(total), count(non_embed), f"{flops:.3e}")
                         for name, family, context, total, non_embed, flops in flavor_rows()]

@@ -1,11 +1,10 @@
 """Command line of pretrain.scaling (see the package docstring)."""
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
 
-from pretrain.cli import run_command
+from pretrain.cli import ArgumentParser, run_command
 from pretrain.scaling import launch, report
 from pretrain.scaling.experiments import EXPERIMENTS
 from pretrain.scaling.registry import load_registry
@@ -16,15 +15,9 @@ OVERRIDES_HELP = ("key.sub=value overrides of the sweep: a sweep key (e.g. flops
                   "train.global_batch_size=16)")
 
 
-class _ArgumentParser(argparse.ArgumentParser):
-    def error(self, message: str):
-        # One line, like every other bad-input error (argparse would print the usage first).
-        self.exit(2, f"error: {message} (see --help)\n")
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = _ArgumentParser(prog="python -m pretrain.scaling", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_ArgumentParser)
+    parser = ArgumentParser(prog="python -m pretrain.scaling", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
 
     p_run = sub.add_parser("run", help="run a sweep's unfinished runs (or write a Slurm job array)")
     p_run.add_argument("sweep", help="sweep YAML, e.g. configs/scaling/shakespeare_char.yaml")
