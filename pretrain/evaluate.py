@@ -177,8 +177,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 def _device(requested: str | None):
     import torch
 
+    from pretrain.trained import inference_device
+
     if requested:
-        return torch.device(requested)
+        return inference_device(requested)
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")

@@ -24,10 +24,12 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from pretrain.cli import ArgumentParser, run_command
 from pretrain.fileio import atomic_write
+from pretrain.hf.export import ExportError, check_out, export_hf
 from pretrain.trained import load_trained
 
 
@@ -42,7 +44,10 @@ def export(source: str | Path, out: str | Path) -> Path:
                 "step": str(trained.step)}
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(out, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+    try:
+        atomic_write(out, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+    except SafetensorError as e:  # an I/O error, without the file's name
+        raise ExportError(f"{out}: cannot be written ({e})") from None
     return tag_dir
 
 
@@ -59,8 +64,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="one safetensors file (default) or a Hugging Face directory")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     args = parser.parse_args(argv)
-    from pretrain.hf.export import check_out, export_hf
-
     out = Path(args.out)
     try:
         check_out(out, args.overwrite)
@@ -71,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {out} from {trained.source} ({trained.family}, Hugging Face format)")
             return 0
         tag_dir = export(args.run_dir, out)
-    except (ValueError, FileNotFoundError) as e:  # LoadError, ExportError, bad model configs
+    except (ValueError, OSError) as e:  # LoadError, ExportError, bad model configs; disk full
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {out} from {tag_dir} ({os.path.getsize(out) / 1e6:.1f} MB, fp32)")

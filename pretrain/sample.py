@@ -104,8 +104,6 @@ def check_options(args) -> None:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise SampleError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SampleError("--device cuda: no CUDA device is available")
 
 
 def encode_prompts(trained: TrainedModel, prompts: list[str]) -> list[list[int]]:

@@ -154,8 +154,23 @@ def load_weights(model: nn.Module, tensors: dict[str, torch.Tensor], source: Pat
     model.load_state_dict({name: t.to(expected[name].dtype) for name, t in state.items()}, strict=True)
 
 
+def inference_device(name: str | torch.device) -> torch.device:
+    """The device `name` names (cpu, cuda, cuda:N), if this machine has it; LoadError if not."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise LoadError(f"device {name!r}: expected cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise LoadError(f"device {name!r}: expected cpu, cuda or cuda:N")
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device.type == "cuda" and (device.index or 0) >= visible:
+        raise LoadError(f"device {name}: this machine has {visible or 'no'} CUDA device{'s' * (visible != 1)}")
+    return device
+
+
 def load_trained(source: str | Path, device: str | torch.device = "cpu", dtype: str = "fp32") -> TrainedModel:
     """Load the model `source` names (see the module docstring) for inference."""
+    device = inference_device(device)
     if dtype not in DTYPES:
         raise LoadError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     path, manifest = Path(source), None

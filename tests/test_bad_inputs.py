@@ -151,6 +151,10 @@ CASES = {
                                                  "already holds files; pass --overwrite"),
     "export of a run without checkpoint": (("pretrain.export", ["{empty_run}", "--out", "{root}/m.safetensors"]),
                                            "no complete checkpoint found"),
+    "export below a file": (("pretrain.export", ["{runs}/done", "--out", "{file}/m.safetensors"]),
+                            "file.txt is not a directory"),
+    "Hugging Face export below a file": (("pretrain.export", ["{runs}/done", "--format", "hf", "--out", "{file}/hf"]),
+                                         "file.txt is not a directory"),
     "Hugging Face export of a missing run": (("pretrain.export", ["{root}/nothing", "--format", "hf", "--out", "{root}/hf"]),
                                              "no such run directory"),
     # sampling
@@ -171,6 +175,10 @@ CASES = {
     "evaluate batch size zero": (evaluate("{empty_run}", "--tasks", "core", "--batch-size", "0"), "must be >= 1"),
     "evaluate a missing checkpoint": (evaluate("{empty_run}", "--tasks", "core", "--checkpoint", "5"),
                                       "no complete checkpoint step_00000005"),
+    "evaluate on a CUDA device this machine lacks": (evaluate("{empty_run}", "--tasks", "core", "--device", "cuda:99"),
+                                                     "device cuda:99: this machine has"),
+    "evaluate on an unknown device": (evaluate("{empty_run}", "--tasks", "core", "--device", "gpu"),
+                                      "device 'gpu': expected cpu, cuda or cuda:N"),
     "evaluate a missing run": (evaluate("{root}/nothing", "--tasks", "core"), "no such run directory"),
     # scaling
     "sweep file missing": (("pretrain.scaling", ["run", "{root}/nosweep.yaml"]), "nosweep.yaml"),
