@@ -1,6 +1,7 @@
-"""What every command does at its edges, so that none ends in a traceback there: Ctrl-C stops it
-with one line on stderr and exit status 130, and a reader of its output that goes away (`| head`)
-stops it quietly. (The trainer handles its own signals: it saves a checkpoint first.)"""
+"""What every command does at its edges, so that none ends in a traceback there: a malformed
+command line is one error line, Ctrl-C stops it with one line on stderr and exit status 130 (also
+while it is still importing), and a reader of its output that goes away (`| head`) stops it
+quietly. (The trainer handles its own signals once started: it saves a checkpoint first.)"""
 from __future__ import annotations
 
 import argparse

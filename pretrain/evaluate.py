@@ -158,7 +158,7 @@ def _step_list(text: str) -> list[int]:
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = ArgumentParser(prog="python -m pretrain.evaluate",
-                     description="Downstream evaluation of a trained model on lm-evaluation-harness, offline.")
+                            description="Downstream evaluation of a trained model on lm-evaluation-harness, offline.")
     parser.add_argument("source", help="run directory, checkpoint directory or exported .safetensors file")
     parser.add_argument("--checkpoint", help="checkpoint of the run directory: a tag (step_00001000) or a step")
     parser.add_argument("--tasks", required=True, help="suites (core, nrgpt_paper, ebt_paper) and/or task names, comma-separated")

@@ -50,9 +50,9 @@ class ExportError(ValueError):
 def check_out(out: Path, overwrite: bool) -> None:
     """Refuse an `out` that holds anything (a non-empty directory, or a file) unless `overwrite`,
     and one that cannot be created (below a file)."""
-    below = next(p for p in out.absolute().parents if p.exists())
-    if not below.is_dir():
-        raise ExportError(f"--out {out}: {below} is not a directory")
+    nearest = next(p for p in out.absolute().parents if p.exists())
+    if not nearest.is_dir():
+        raise ExportError(f"--out {out}: {nearest} is not a directory")
     if out.exists() and not overwrite and (out.is_file() or any(out.iterdir())):
         raise ExportError(f"--out {out} already holds {'a file' if out.is_file() else 'files'}; "
                           "pass --overwrite to replace it")
