@@ -116,7 +116,7 @@ def test_paper_scale_parameter_counts(flavor, expected):
 
 
 def test_flavor_table_lists_every_flavor(capsys):
-    main()
+    main([])
     printed = capsys.readouterr().out.splitlines()
     assert len(printed) == len(FLAVORS) + 1
     rows = {row[0]: row for row in flavor_rows()}
