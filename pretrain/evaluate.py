@@ -175,8 +175,6 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _device(requested: str | None):
-    import torch
-
     from pretrain.trained import inference_device
 
     if requested:

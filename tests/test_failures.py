@@ -248,11 +248,9 @@ def test_ctrl_c_while_a_command_is_still_starting_is_one_line(tmp_path, launch):
     else:  # had the Ctrl-C come too late, these would end otherwise (2: no such run; 0: help)
         module, processes = {"sample": "pretrain.sample", "prepare": "data_pipeline.prepare"}[launch], 1
         command = [runs.PYTHON, "-m", module, *(["no-such-run", "--prompt", "x"] if launch == "sample" else ["--help"])]
-    # a session of its own, with SIGINT at its default (a suite run as a background job has it
-    # ignored, and Python would inherit that): a terminal's Ctrl-C signals its process group
+    # a session of its own: a terminal's Ctrl-C signals its process group
     proc = subprocess.Popen(command, cwd=runs.REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            text=True, start_new_session=True, preexec_fn=runs.terminal_sigint)
     try:
         deadline = time.monotonic() + 240
         while importing_torch(proc, module) < processes:

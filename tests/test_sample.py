@@ -272,12 +272,10 @@ def test_command_output_is_the_text_alone_for_a_zero_checkpoint():
 
 def start_sampling(run: Path) -> subprocess.Popen:
     """The command in a process of its own, generating for much longer than a test waits."""
-    # a shell without job control starts background jobs with SIGINT ignored, which Python
-    # would inherit: the command gets SIGINT as a terminal's Ctrl-C would deliver it
     return subprocess.Popen([sys.executable, "-m", "pretrain.sample", str(run), "--prompt", "ROMEO:",
                              "--max-new-tokens", "1000000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env=runs.child_env(), cwd=runs.REPO, start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            preexec_fn=runs.terminal_sigint)
 
 
 def test_ctrl_c_ends_the_command_with_one_line(trained_run):

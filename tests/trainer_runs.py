@@ -13,6 +13,7 @@ import atexit
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -94,6 +95,13 @@ def run_overrides(family: str, stage: int) -> list[str]:
         return [f"model.flavor={FAMILIES[family]}", f"zero.stage={stage}"]
     flavor, _, extra = EXTRA_CELLS[family]
     return [f"model.flavor={flavor}", f"zero.stage={stage}", *extra]
+
+
+def terminal_sigint() -> None:
+    """preexec_fn for commands a test stops with Ctrl-C: SIGINT at its default, as a terminal's
+    Ctrl-C finds it. A shell without job control starts background jobs (a suite run as one)
+    with SIGINT ignored, and Python would inherit that."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def lower_priority() -> None:
