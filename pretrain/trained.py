@@ -113,14 +113,19 @@ def _read_manifest(data_path: str | None) -> dict | None:
     return read_json(file, LoadError) if file.is_file() else None
 
 
-def read_safetensors(file: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def read_safetensors(file: Path, export_only: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(tensors, metadata) of a safetensors file; LoadError when it is not one or is damaged (cut
-    short, a broken header). The format has no checksum: changed tensor bytes go unseen."""
+    short, a broken header), and with `export_only` when it is not a `pretrain.export` file (no
+    flavor in its metadata), before its tensors are read. The format has no checksum: changed
+    tensor bytes go unseen."""
     from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(str(file), framework="pt") as f:
-            return {name: f.get_tensor(name) for name in f.keys()}, f.metadata() or {}
+            metadata = f.metadata() or {}
+            if export_only and "flavor" not in metadata:
+                raise LoadError(f"{file}: not a model exported by pretrain.export (no flavor in its metadata)")
+            return {name: f.get_tensor(name) for name in f.keys()}, metadata
     except (SafetensorError, OSError) as e:
         raise LoadError(f"{file}: not a readable safetensors file ({e})") from None
 
@@ -175,9 +180,7 @@ def load_trained(source: str | Path, device: str | torch.device = "cpu", dtype: 
         raise LoadError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     path, manifest = Path(source), None
     if path.is_file() and path.suffix == ".safetensors":
-        state, metadata = read_safetensors(path)
-        if "flavor" not in metadata:
-            raise LoadError(f"{source}: not a model exported by pretrain.export (no flavor in its metadata)")
+        state, metadata = read_safetensors(path, export_only=True)
         flavor, raw_model_config = metadata["flavor"], json.loads(metadata["model_config"])
         run_config = json.loads(metadata.get("run_config", "{}"))
         step = int(metadata.get("step", 0))

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from pretrain.fileio import read_json
+from pretrain.fileio import atomic_write_text, read_json
 from pretrain.scaling import launch
 from pretrain.scaling.registry import RunRecord
 from pretrain.scaling.plots import pyplot
@@ -89,9 +89,7 @@ def cached(run_dir: Path, key: str, compute: Callable[[], dict[str, Any]]) -> di
     results = read_json(path) if path.is_file() else {}
     if key not in results:
         results[key] = compute()
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(results, indent=2) + "\n")
-        tmp.replace(path)
+        atomic_write_text(path, json.dumps(results, indent=2) + "\n")
     return results[key]
 
 
