@@ -72,6 +72,10 @@ _worker: dict = {}
 
 def _init_worker(tokenizer_spec: dict, val_fraction: float) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle, once
+    # a forked worker keeps its parent's Python handlers (the trainer's stop handler, which
+    # raises): these signals end a worker quietly instead, as they end a process by default
+    for signum in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(signum, signal.SIG_DFL)
     _worker["tokenizer"] = tokenizer_from_spec(tokenizer_spec)
     _worker["val_fraction"] = val_fraction
 

@@ -48,13 +48,15 @@ from pretrain.preflight import check_dataset, preflight
 from pretrain.summary import RunRecord
 
 EXIT_PREEMPTED = 75
-"""EX_TEMPFAIL: stopped by SIGTERM/SIGUSR1/SIGINT after saving a checkpoint; rerun to resume."""
+"""EX_TEMPFAIL: stopped by SIGTERM/SIGUSR1/SIGINT after saving a checkpoint (or by SIGTERM/SIGUSR1
+before the first step, with nothing to save); rerun to resume."""
 EXIT_ABORTED = INTERRUPTED
 """A second Ctrl-C: stopped at once, without saving (the last checkpoint stays the resume point)."""
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 """Finish the step, save a checkpoint and exit with EXIT_PREEMPTED (Slurm: SIGUSR1 as the
-warning before the time limit, SIGTERM on preemption or scancel; Ctrl-C at a terminal)."""
+warning before the time limit, SIGTERM on preemption or scancel; Ctrl-C at a terminal). Before
+the first step they stop setup at once: Ctrl-C with INTERRUPTED, the others with EXIT_PREEMPTED."""
 REPEAT_SIGINT_S = 2.0
 """A Ctrl-C this long after the first aborts at once. Sooner ones are the same keypress arriving
 twice (the terminal signals the whole process group and torchrun forwards it again)."""
@@ -66,6 +68,16 @@ class NonFiniteError(RuntimeError):
 
 class Aborted(Exception):
     """Ctrl-C pressed again while the trainer was finishing its step to save."""
+
+
+class StoppedInSetup(BaseException):
+    """SIGTERM or SIGUSR1 before the first step, raised where setup was (Ctrl-C raises
+    KeyboardInterrupt; both are BaseExceptions, so that no `except Exception` on the way
+    swallows them)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
 
 
 @dataclass
@@ -122,11 +134,20 @@ class Trainer:
         self.faults_fired: set[int] = set()
         self.session_start = time.perf_counter()
         self.stop_signal, self.stop_time = 0, 0.0
+        self.looping = False
+        """True from the first step on: a stop signal then saves after the step."""
         self.previous_handlers = {signum: signal.signal(signum, self._on_signal) for signum in STOP_SIGNALS}
 
     def _on_signal(self, signum, frame) -> None:
-        """Note the request; the loop saves and stops after the current step. Ctrl-C again
-        (not the same keypress delivered twice) aborts at once."""
+        """In the loop, note the request: the loop saves and stops after the current step, and
+        Ctrl-C again (not the same keypress delivered twice) aborts at once. Before it, stop at
+        once: nothing is trained, so nothing is lost, and setup can take hours (preparing the
+        data)."""
+        if not self.looping:
+            if not self.stop_signal:  # the same keypress delivered twice stops setup once
+                self.stop_signal = signum
+                raise KeyboardInterrupt if signum == signal.SIGINT else StoppedInSetup(signum)
+            return
         if self.stop_signal and signum == signal.SIGINT and time.monotonic() - self.stop_time > REPEAT_SIGINT_S:
             raise Aborted()
         if not self.stop_signal:
@@ -262,6 +283,7 @@ class Trainer:
         cfg = self.cfg
         consecutive_skips = 0
         last_eval = last_save = -1
+        self.looping = True
         while self.state.step < self.total_steps:
             update = self.state.step + 1
             # the first update too, so that curves and console show where the loss started
@@ -490,7 +512,11 @@ def main(argv: list[str] | None = None) -> int:
         error = ("error: interrupted again: stopped without saving; rerun the same command to "
                  "resume from the last checkpoint")
         code = EXIT_ABORTED
-    except KeyboardInterrupt:  # before the trainer's own handler was installed, or after
+    except StoppedInSetup as e:  # 75, the requeue code: the rerun starts where this one would have
+        error = (f"error: stopped by {signal.Signals(e.signum).name} while setting up, before the first "
+                 "step (nothing to save); rerun the same command to resume")
+        code = EXIT_PREEMPTED
+    except KeyboardInterrupt:  # before the first step, or before the trainer's handler was installed
         error, code = INTERRUPTED_LINE, INTERRUPTED
     if error and int(os.environ.get("RANK", "0")) == 0:
         print(error, file=sys.stderr, flush=True)

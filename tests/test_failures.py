@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import trainer_runs as runs
+from data_pipeline.prepare import default_num_proc
 from pretrain import checkpoint
 from pretrain.train import EXIT_PREEMPTED
 
@@ -171,12 +172,13 @@ def test_resume_restart_moves_the_run_aside_and_starts_fresh(source_run, tmp_pat
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 4
 
 
-def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
+def _wait_for(pattern: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
+    """Until a path matching `pattern` (a glob in its last part) exists, while proc runs."""
     deadline = time.monotonic() + timeout
-    while not path.exists():
+    while not any(pattern.parent.glob(pattern.name)):
         assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, f"{path} did not appear"
-        time.sleep(0.1)
+        assert time.monotonic() < deadline, f"{pattern} did not appear"
+        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("launcher", ["python", "torchrun.sh"])
@@ -205,11 +207,63 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_with_the_requeue_code(tmp_path, lau
     assert checkpoint.is_complete(tag(tmp_path / "interrupted", stopped))
 
 
+def corpus(directory: Path, files: int = 30, mib_per_file: int = 1) -> str:
+    """A text source that takes the data preparation tens of seconds (on 2 cores): `files`
+    documents of a mebibyte of made-up words each."""
+    directory.mkdir()
+    words = [f"w{(i * 7919) % 5003:x}" for i in range(5003)]
+    text = " ".join(words[(i * i) % len(words)] for i in range(mib_per_file * 2**20 // 5))
+    for i in range(files):
+        (directory / f"{i:03d}.txt").write_text(f"document {i}: {text}")
+    return f"text:{directory}"
+
+
+@pytest.mark.parametrize("launcher, signum, code", [("python", signal.SIGTERM, EXIT_PREEMPTED),
+                                                    ("torchrun.sh", signal.SIGINT, 130)])
+def test_a_stop_signal_during_setup_stops_it_at_once(tmp_path, launcher, signum, code):
+    """Preparing the data is part of setup and can take hours: a stop signal then ends the run
+    within seconds (nothing is trained, so there is nothing to save), leaving nothing behind.
+    The signal goes to the whole process group, as a scheduler's or a terminal's does: one rank
+    and its tokenizer processes (python), or torchrun, which forwards it to the ranks."""
+    dataset = tmp_path / "prepared"
+    overrides = [*ONE_PROCESS[:2], f"output_root={tmp_path}", "run_name=stopped", f"data.path={dataset}",
+                 f"data.source={corpus(tmp_path / 'corpus')}", "data.val_fraction=0.1"]
+    if launcher == "python":
+        command, env, ranks = runs.train_command(overrides, nproc=1), runs.child_env(), 1
+    else:
+        command = ["bash", "launch/torchrun.sh", str(runs.base_config_file()), *overrides]
+        env = runs.child_env(NPROC_PER_NODE="2", PYTHON=runs.PYTHON, MASTER_PORT=str(runs.free_port()))
+        ranks = 2
+    proc = subprocess.Popen(command, cwd=runs.REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True, preexec_fn=runs.terminal_sigint)
+    try:
+        _wait_for(tmp_path / ".prepared.incomplete-*", proc)  # the preparation has begun
+        # and its tokenizer processes run (forked by rank 0: the same command line)
+        while importing_torch(proc, "pretrain.train") < ranks + (default_num_proc() > 1):
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            time.sleep(0.05)
+        signalled = time.monotonic()
+        os.killpg(proc.pid, signum)
+        _, err = proc.communicate(timeout=240)
+        stopped_within = time.monotonic() - signalled
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == code, err[-3000:]
+    line = one_error_line(err)
+    if signum == signal.SIGINT:
+        assert line == "error: interrupted"
+    else:
+        assert line.startswith("error: stopped by SIGTERM while setting up, before the first step")
+    assert stopped_within < 10, f"took {stopped_within:.0f} s to stop"  # preparing takes tens
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "prepared.lock"]  # nor a run
+
+
 def test_a_second_ctrl_c_aborts_but_the_same_keypress_twice_does_not(monkeypatch):
     from pretrain.train import REPEAT_SIGINT_S, Aborted, Trainer
 
     trainer = Trainer.__new__(Trainer)  # only the signal state; nothing else is set up
-    trainer.stop_signal, trainer.stop_time, trainer.rank = 0, 0.0, 0
+    trainer.stop_signal, trainer.stop_time, trainer.rank, trainer.looping = 0, 0.0, 0, True
     clock = [100.0]
     monkeypatch.setattr(time, "monotonic", lambda: clock[0])
     trainer._on_signal(signal.SIGINT, None)
@@ -218,6 +272,20 @@ def test_a_second_ctrl_c_aborts_but_the_same_keypress_twice_does_not(monkeypatch
     trainer._on_signal(signal.SIGINT, None)
     clock[0] += REPEAT_SIGINT_S
     with pytest.raises(Aborted):
+        trainer._on_signal(signal.SIGINT, None)
+
+
+def test_before_the_first_step_a_stop_signal_raises_once():
+    from pretrain.train import StoppedInSetup, Trainer
+
+    trainer = Trainer.__new__(Trainer)
+    trainer.stop_signal, trainer.stop_time, trainer.rank, trainer.looping = 0, 0.0, 0, False
+    with pytest.raises(StoppedInSetup) as stopped:
+        trainer._on_signal(signal.SIGTERM, None)
+    assert stopped.value.signum == signal.SIGTERM
+    trainer._on_signal(signal.SIGINT, None)  # a second signal while setup unwinds: ignored
+    trainer.stop_signal = 0
+    with pytest.raises(KeyboardInterrupt):
         trainer._on_signal(signal.SIGINT, None)
 
 
