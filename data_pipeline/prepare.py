@@ -44,7 +44,7 @@ from data_pipeline.sources import (DataError, Source, SourceStats, archive_texts
                                    fingerprint_change, parse_source)
 from data_pipeline.streaming_compat import streaming
 from data_pipeline.tokenizer import CharTokenizer, GPT2Tokenizer, tokenizer_from_spec
-from pretrain.cli import ArgumentParser, run_command
+from pretrain.cli import ArgumentParser, run_command, signals_held
 
 FORMAT_VERSION = 1
 SPLITS = ("train", "val")
@@ -72,10 +72,7 @@ _worker: dict = {}
 
 def _init_worker(tokenizer_spec: dict, val_fraction: float) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle, once
-    # a forked worker keeps its parent's Python handlers (the trainer's stop handler, which
-    # raises): these signals end a worker quietly instead, as they end a process by default
-    for signum in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(signum, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())  # forked inside the parent's signals_held
     _worker["tokenizer"] = tokenizer_from_spec(tokenizer_spec)
     _worker["val_fraction"] = val_fraction
 
@@ -196,7 +193,8 @@ def _tokenized_chunks(units: Iterable[str | Archive], tokenizer_spec: dict, val_
     pending: deque = deque()
     try:
         for chunk in _chunks(units):
-            pending.append(executor.submit(_tokenize_unit, chunk))
+            with signals_held():  # see signals_held: a Ctrl-C inside would break the shutdown below
+                pending.append(executor.submit(_tokenize_unit, chunk))
             if len(pending) >= CHUNKS_IN_FLIGHT_PER_PROC * num_proc:
                 yield pending.popleft().result()
         while pending:

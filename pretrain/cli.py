@@ -9,7 +9,7 @@ import contextlib
 import os
 import signal
 import sys
-from typing import Callable, NoReturn
+from typing import Callable, Iterator, NoReturn
 
 INTERRUPTED = 130
 """128 + SIGINT: what a shell reports for a command stopped by Ctrl-C."""
@@ -29,6 +29,20 @@ class ArgumentParser(argparse.ArgumentParser):
 def say_interrupted() -> None:
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank gets the signal
         print(f"\n{INTERRUPTED_LINE}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """Hold Ctrl-C and the schedulers' stop signals (SIGTERM, SIGUSR1) during the block: they are
+    delivered, and their handlers run, when it ends. For steps that an exception raised by a
+    handler would leave half-done: a process pool's first submit starts its workers, then its
+    manager thread, and interrupted in between the pool cannot be shut down. Processes forked
+    inside the block inherit the hold, and must clear it."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGUSR1})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def run_command(main: Callable[[], int | None]) -> None:

@@ -136,6 +136,7 @@ class Trainer:
         self.stop_signal, self.stop_time = 0, 0.0
         self.looping = False
         """True from the first step on: a stop signal then saves after the step."""
+        self.pid = os.getpid()
         self.previous_handlers = {signum: signal.signal(signum, self._on_signal) for signum in STOP_SIGNALS}
 
     def _on_signal(self, signum, frame) -> None:
@@ -143,6 +144,10 @@ class Trainer:
         Ctrl-C again (not the same keypress delivered twice) aborts at once. Before it, stop at
         once: nothing is trained, so nothing is lost, and setup can take hours (preparing the
         data)."""
+        if os.getpid() != self.pid:
+            # a process forked from the trainer (the data preparation's tokenizers, loader
+            # workers) keeps this handler: the stop is the trainer's to make, not theirs
+            return
         if not self.looping:
             if not self.stop_signal:  # the same keypress delivered twice stops setup once
                 self.stop_signal = signum

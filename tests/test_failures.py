@@ -264,6 +264,7 @@ def test_a_second_ctrl_c_aborts_but_the_same_keypress_twice_does_not(monkeypatch
 
     trainer = Trainer.__new__(Trainer)  # only the signal state; nothing else is set up
     trainer.stop_signal, trainer.stop_time, trainer.rank, trainer.looping = 0, 0.0, 0, True
+    trainer.pid = os.getpid()
     clock = [100.0]
     monkeypatch.setattr(time, "monotonic", lambda: clock[0])
     trainer._on_signal(signal.SIGINT, None)
@@ -280,6 +281,7 @@ def test_before_the_first_step_a_stop_signal_raises_once():
 
     trainer = Trainer.__new__(Trainer)
     trainer.stop_signal, trainer.stop_time, trainer.rank, trainer.looping = 0, 0.0, 0, False
+    trainer.pid = os.getpid()
     with pytest.raises(StoppedInSetup) as stopped:
         trainer._on_signal(signal.SIGTERM, None)
     assert stopped.value.signum == signal.SIGTERM
@@ -287,6 +289,9 @@ def test_before_the_first_step_a_stop_signal_raises_once():
     trainer.stop_signal = 0
     with pytest.raises(KeyboardInterrupt):
         trainer._on_signal(signal.SIGINT, None)
+    trainer.stop_signal, trainer.pid = 0, os.getpid() + 1  # as in a process forked from the trainer
+    trainer._on_signal(signal.SIGTERM, None)
+    assert trainer.stop_signal == 0  # the stop is the trainer's, not the forked process's
 
 
 def importing_torch(proc: subprocess.Popen, module: str) -> int:
