@@ -16,6 +16,9 @@ INTERRUPTED = 130
 READER_GONE = 141
 """128 + SIGPIPE: what a shell reports for a command whose output pipe was closed."""
 INTERRUPTED_LINE = "error: interrupted"
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+"""What stops a command: a scheduler's SIGTERM (preemption, scancel) and SIGUSR1 (the warning
+before the time limit), and Ctrl-C."""
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -33,12 +36,12 @@ def say_interrupted() -> None:
 
 @contextlib.contextmanager
 def signals_held() -> Iterator[None]:
-    """Hold Ctrl-C and the schedulers' stop signals (SIGTERM, SIGUSR1) during the block: they are
-    delivered, and their handlers run, when it ends. For steps that an exception raised by a
-    handler would leave half-done: a process pool's first submit starts its workers, then its
-    manager thread, and interrupted in between the pool cannot be shut down. Processes forked
-    inside the block inherit the hold, and must clear it."""
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGUSR1})
+    """Hold the STOP_SIGNALS during the block: they are delivered, and their handlers run, when
+    it ends. For steps that an exception raised by a handler would leave half-done: a process
+    pool's first submit starts its workers, then its manager thread, and interrupted in between
+    the pool cannot be shut down. Processes forked inside the block inherit the hold, and must
+    clear it."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         yield
     finally:

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import yaml
 
 from pretrain.checkpoint import CheckpointError, CheckpointManager, ResumeState, data_identity
-from pretrain.cli import INTERRUPTED, INTERRUPTED_LINE, ArgumentParser
+from pretrain.cli import INTERRUPTED, INTERRUPTED_LINE, STOP_SIGNALS, ArgumentParser
 from pretrain.config import (ConfigError, RunConfig, gradient_accumulation_steps, load_config,
                              model_config, resolved_precision, to_dict, validate)
 from pretrain.engine import (configure_device_math, deepspeed_config, distributed_env, initialize,
@@ -53,10 +53,10 @@ before the first step, with nothing to save); rerun to resume."""
 EXIT_ABORTED = INTERRUPTED
 """A second Ctrl-C: stopped at once, without saving (the last checkpoint stays the resume point)."""
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-"""Finish the step, save a checkpoint and exit with EXIT_PREEMPTED (Slurm: SIGUSR1 as the
-warning before the time limit, SIGTERM on preemption or scancel; Ctrl-C at a terminal). Before
-the first step they stop setup at once: Ctrl-C with INTERRUPTED, the others with EXIT_PREEMPTED."""
+# A stop signal (cli.STOP_SIGNALS) makes the trainer finish the step, save a checkpoint and exit
+# with EXIT_PREEMPTED (Slurm: SIGUSR1 as the warning before the time limit, SIGTERM on preemption
+# or scancel; Ctrl-C at a terminal). Before the first step it stops setup at once: Ctrl-C with
+# INTERRUPTED, the others with EXIT_PREEMPTED.
 REPEAT_SIGINT_S = 2.0
 """A Ctrl-C this long after the first aborts at once. Sooner ones are the same keypress arriving
 twice (the terminal signals the whole process group and torchrun forwards it again)."""
