@@ -13,10 +13,13 @@ keeps what it measured. This process only schedules: each group of cases (one fl
 a worker process (`--worker`), so an out-of-memory error, a crash or a hang costs that group
 only. Every case has a time cap, the whole run a budget; cases that do not fit are reported
 as skipped. A case that runs out of memory is retried at half the micro-batch while time allows.
+Ctrl-C, or a scheduler's SIGTERM or SIGUSR1, stops the worker too, reports the cases left as
+stopped, and exits with 128 + the signal's number.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import gc
@@ -37,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from pretrain.cli import STOP_SIGNALS, Stopped, run_command, signals_held
 from pretrain.fileio import atomic_write_text, markdown_table
 
 REPO = Path(__file__).resolve().parent.parent
@@ -46,6 +50,10 @@ GPT2_VOCAB = 50257
 """The real vocabulary (the models pad it to 50304); synthetic tokens are drawn from it."""
 STARTUP_S = 60.0
 """Allowance for a worker to import torch and DeepSpeed and initialise the device."""
+WORKER_GRACE_S = 10.0
+"""How long a worker that is told to stop gets before it is killed. Not killed at once, because
+on a CPU a worker may be building DeepSpeed's communication op, and a build killed outright
+leaves its lock file behind: every later build then waits on it forever."""
 
 
 @dataclass
@@ -370,27 +378,54 @@ def environment(device: str) -> dict:
     return env
 
 
-def worker() -> None:
-    """Run the cases given on stdin (JSON) in order; one protocol line per result on stdout."""
+def worker() -> int:
+    """Run the cases given on stdin (JSON) in order; one protocol line per result on stdout.
+    A stop signal ends it with the case it was running reported as stopped (under Slurm the
+    whole job gets the scheduler's SIGTERM, this process too)."""
     spec = json.loads(sys.stdin.read())
     settings = Settings(**spec["settings"])
-    import deepspeed
-    import torch
-    from pretrain.engine import distributed_env
+    raise_on_stop_signals()
+    case, started = None, time.perf_counter()
+    try:
+        import deepspeed
+        import torch
+        from pretrain.engine import distributed_env
 
-    if settings.device == "cpu":
-        torch.set_num_threads(1)  # tiny models on a shared CPU: one thread wastes least
-    distributed_env()
-    deepspeed.init_distributed(verbose=False)
-    emit({"environment": environment(settings.device)})
-    for raw in spec["cases"]:
-        case = Case(**raw)
-        started = time.perf_counter()
-        try:
-            result = (run_ebt_check if case.kind == "ebt_check" else run_throughput)(case, settings)
-        except Exception as e:  # reported, and the next case still runs
-            result = {"status": "error", "error": one_line(e)}
-        emit({"case": case.name, "seconds": time.perf_counter() - started, **result})
+        if settings.device == "cpu":
+            torch.set_num_threads(1)  # tiny models on a shared CPU: one thread wastes least
+        distributed_env()
+        deepspeed.init_distributed(verbose=False)
+        emit({"environment": environment(settings.device)})
+        for raw in spec["cases"]:
+            case = Case(**raw)
+            started = time.perf_counter()
+            try:
+                result = (run_ebt_check if case.kind == "ebt_check" else run_throughput)(case, settings)
+            except Exception as e:  # reported, and the next case still runs
+                result = {"status": "error", "error": one_line(e)}
+            emit({"case": case.name, "seconds": time.perf_counter() - started, **result})
+            case = None
+    except (Stopped, KeyboardInterrupt) as e:  # the trainer raises KeyboardInterrupt for Ctrl-C
+        signum = getattr(e, "signum", signal.SIGINT)
+        if case is not None:
+            emit({"case": case.name, "seconds": time.perf_counter() - started, "status": "stopped",
+                  "error": f"stopped by {signal.Signals(signum).name}"})
+        return 128 + signum
+    return 0
+
+
+def raise_on_stop_signals() -> None:
+    """Make the first stop signal raise `Stopped` where the process is, and ignore the ones after
+    it: the process then cleans up and reports without being stopped again halfway. (A worker
+    also leaves the hold on them that it inherits from `run_group`.)"""
+    def on_signal(signum, frame) -> None:
+        for stop_signal in STOP_SIGNALS:
+            signal.signal(stop_signal, signal.SIG_IGN)
+        raise Stopped(signum)
+
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, on_signal)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 def emit(record: dict) -> None:
@@ -408,46 +443,64 @@ def one_line(e: BaseException) -> str:
 
 def run_group(cases: list[Case], settings: Settings, deadline: float, log) -> Iterator[dict]:
     """Run `cases` in one worker until they are done, it dies or `deadline` (monotonic) passes,
-    yielding each record as it arrives (then one for each case that did not finish)."""
+    yielding each record as it arrives (then one for each case that did not finish). The worker
+    is stopped (`stop_worker`) also when this generator is closed early or a stop signal
+    interrupts it: it runs in a session of its own, which the terminal's Ctrl-C does not reach."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if settings.device == "cpu":
         env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
         env.pop(name, None)  # each worker is a world of its own
-    proc = subprocess.Popen([sys.executable, "-m", "bench.gpu", "--worker"], cwd=REPO, env=env, text=True,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    proc.stdin.write(json.dumps({"settings": dataclasses.asdict(settings),
-                                 "cases": [dataclasses.asdict(c) for c in cases]}))
-    proc.stdin.close()
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout] + [lines.put(None)],
-                     daemon=True).start()
-    tail, pending = [], [c.name for c in cases]
-    while pending:
-        try:
-            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
-        except queue.Empty:
-            break
-        if line is None:
-            break
-        if not line.startswith(RESULT):
-            log.write(line)
-            tail = (tail + [line.strip()])[-5:]
-            continue
-        record = json.loads(line[len(RESULT):])
-        if "case" in record:
-            pending.remove(record["case"])
-        yield record
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    timed_out = time.monotonic() >= deadline
+    with signals_held():  # a stop now would leave a worker that nothing kills
+        proc = subprocess.Popen([sys.executable, "-m", "bench.gpu", "--worker"], cwd=REPO, env=env, text=True,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        proc.stdin.write(json.dumps({"settings": dataclasses.asdict(settings),
+                                     "cases": [dataclasses.asdict(c) for c in cases]}))
+        proc.stdin.close()
+        lines: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout] + [lines.put(None)],
+                         daemon=True).start()
+        tail, pending = [], [c.name for c in cases]
+        while pending:
+            try:
+                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if line is None:
+                break
+            if not line.startswith(RESULT):
+                log.write(line)
+                tail = (tail + [line.strip()])[-5:]
+                continue
+            record = json.loads(line[len(RESULT):])
+            if "case" in record:
+                pending.remove(record["case"])
+            yield record
+    finally:
+        stop_worker(proc)
+    stopped_by = {128 + s: s.name for s in STOP_SIGNALS}.get(proc.returncode)  # see `worker`
+    if time.monotonic() >= deadline:
+        status, reason = "timeout", "time cap reached"
+    elif stopped_by:
+        status, reason = "stopped", f"worker stopped by {stopped_by}"
+    else:
+        status, reason = "crashed", f"worker exited with code {proc.returncode}: {tail[-1] if tail else 'no output'}"
     for name in pending:
-        reason = ("time cap reached" if timed_out else
-                  f"worker exited with code {proc.returncode}: {tail[-1] if tail else 'no output'}")
-        yield {"case": name, "status": "timeout" if timed_out else "crashed", "error": reason[:300]}
+        yield {"case": name, "status": status, "error": reason[:300]}
     log.flush()
+
+
+def stop_worker(proc: subprocess.Popen) -> None:
+    """End a worker still running: SIGTERM to its process group, SIGKILL after WORKER_GRACE_S."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=WORKER_GRACE_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 def write_reports(out: Path, report: dict) -> None:
@@ -522,8 +575,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        worker()
-        return 0
+        return worker()
 
     if args.device == "cpu" and not args.tiny:
         print("error: the paper-size cases need a GPU; on a CPU use --device cpu --tiny", file=sys.stderr)
@@ -545,6 +597,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --only matches no case", file=sys.stderr)
         return 2
 
+    raise_on_stop_signals()
     start, wall_start = time.monotonic(), datetime.datetime.now(datetime.timezone.utc)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -559,23 +612,35 @@ def main(argv: list[str] | None = None) -> int:
     groups: dict[str, list[Case]] = {}
     for case in plan:
         groups.setdefault(case.group, []).append(case)
-    with open(out / "gpu_workers.log", "w") as log:
-        for cases in groups.values():
-            left = budget - (time.monotonic() - start)
-            if left < STARTUP_S / 2:
-                for case in cases:
-                    results[case.name].update(status="skipped", error="run budget spent")
-                continue
-            deadline = time.monotonic() + min(left, STARTUP_S + len(cases) * 1.5 * settings.case_seconds)
-            print(f"[{time.monotonic() - start:5.0f} s] {', '.join(c.name for c in cases)}", flush=True)
-            for record in run_group(cases, settings, deadline, log):
-                if "environment" in record:
-                    report["environment"] = report["environment"] or record["environment"]
+    try:
+        with open(out / "gpu_workers.log", "w") as log:
+            for cases in groups.values():
+                left = budget - (time.monotonic() - start)
+                if left < STARTUP_S / 2:
+                    for case in cases:
+                        results[case.name].update(status="skipped", error="run budget spent")
                     continue
-                results[record["case"]].update(record)
-                print(f"    {record['case']}: {summary_line(results[record['case']])}", flush=True)
-                report["elapsed_s"] = time.monotonic() - start
-                write_reports(out, report)
+                deadline = time.monotonic() + min(left, STARTUP_S + len(cases) * 1.5 * settings.case_seconds)
+                print(f"[{time.monotonic() - start:5.0f} s] {', '.join(c.name for c in cases)}", flush=True)
+                with contextlib.closing(run_group(cases, settings, deadline, log)) as records:
+                    for record in records:
+                        if "environment" in record:
+                            report["environment"] = report["environment"] or record["environment"]
+                            continue
+                        results[record["case"]].update(record)
+                        print(f"    {record['case']}: {summary_line(results[record['case']])}", flush=True)
+                        report["elapsed_s"] = time.monotonic() - start
+                        write_reports(out, report)
+    except Stopped as e:
+        name = signal.Signals(e.signum).name
+        for r in results.values():
+            if r["status"] == "pending":
+                r.update(status="stopped", error=f"stopped by {name}")
+        report["elapsed_s"] = time.monotonic() - start
+        write_reports(out, report)
+        print(f"error: stopped by {name}; {out / 'gpu.json'} and gpu.md report the cases finished before it",
+              file=sys.stderr)
+        return 128 + e.signum
     report["elapsed_s"] = time.monotonic() - start
     write_reports(out, report)
     print(f"\n{markdown(report)}\nwritten: {out / 'gpu.json'}, {out / 'gpu.md'}")
@@ -600,4 +665,4 @@ def _has_cuda() -> bool:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_command(main)

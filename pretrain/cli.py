@@ -21,6 +21,15 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 before the time limit), and Ctrl-C."""
 
 
+class Stopped(BaseException):
+    """A stop signal, raised where the process was. A BaseException, like KeyboardInterrupt, so
+    that no `except Exception` on the way swallows it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """Every command's parser: a usage error is one `error: ...` line and status 2, like every
     other bad input (argparse would print its usage first)."""

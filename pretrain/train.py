@@ -32,7 +32,7 @@ import torch.distributed as dist
 import yaml
 
 from pretrain.checkpoint import CheckpointError, CheckpointManager, ResumeState, data_identity
-from pretrain.cli import INTERRUPTED, INTERRUPTED_LINE, STOP_SIGNALS, ArgumentParser
+from pretrain.cli import INTERRUPTED, INTERRUPTED_LINE, STOP_SIGNALS, ArgumentParser, Stopped
 from pretrain.config import (ConfigError, RunConfig, gradient_accumulation_steps, load_config,
                              model_config, resolved_precision, to_dict, validate)
 from pretrain.engine import (configure_device_math, deepspeed_config, distributed_env, initialize,
@@ -70,14 +70,9 @@ class Aborted(Exception):
     """Ctrl-C pressed again while the trainer was finishing its step to save."""
 
 
-class StoppedInSetup(BaseException):
+class StoppedInSetup(Stopped):
     """SIGTERM or SIGUSR1 before the first step, raised where setup was (Ctrl-C raises
-    KeyboardInterrupt; both are BaseExceptions, so that no `except Exception` on the way
-    swallows them)."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
+    KeyboardInterrupt)."""
 
 
 @dataclass

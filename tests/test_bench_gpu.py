@@ -4,6 +4,7 @@ flavors; the scheduler's budget and time cap are checked without a GPU too."""
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -99,6 +100,56 @@ def test_worker_past_its_deadline_is_killed_and_its_cases_reported(tmp_path):
         records = list(gpu.run_group(cases, settings, deadline=start + 1.0, log=log))
     assert time.monotonic() - start < 30
     assert [(r["case"], r["status"]) for r in records if "case" in r] == [(c.name, "timeout") for c in cases]
+
+
+def children(pid: int) -> list[int]:
+    return [int(child) for task in Path(f"/proc/{pid}/task").iterdir()
+            for child in (task / "children").read_text().split()]
+
+
+def wait_for(condition, what: str, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"no {what} after {timeout:.0f} s"
+        time.sleep(0.05)
+    return value
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_signal_stops_the_worker_and_reports_the_cases_as_stopped(signum, tmp_path):
+    """Ctrl-C or a scheduler's SIGTERM to the benchmark: its worker, in a session of its own that
+    the signal does not reach, must not keep the device busy, and the report says what happened."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    proc = subprocess.Popen([sys.executable, "-m", "bench.gpu", "--device", "cpu", "--tiny", "--out", str(tmp_path),
+                             "--only", "transformer_pp"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    worker = wait_for(lambda: children(proc.pid), "worker")[0]
+    time.sleep(1.0)  # into the worker's imports
+    proc.send_signal(signum)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signum, out + err
+    assert err.strip() == (f"error: stopped by {signal.Signals(signum).name}; {tmp_path / 'gpu.json'} and "
+                           "gpu.md report the cases finished before it")
+    with pytest.raises(ProcessLookupError):
+        os.kill(worker, 0)
+    report = json.loads((tmp_path / "gpu.json").read_text())
+    assert {(c["status"], c["error"]) for c in report["cases"]} == {
+        ("stopped", f"stopped by {signal.Signals(signum).name}")}
+    assert f"| transformer_pp-tiny ac=off | stopped: stopped by {signal.Signals(signum).name} |" in (tmp_path / "gpu.md").read_text()
+
+
+def test_a_worker_stopped_by_the_scheduler_reports_its_cases_as_stopped(tmp_path):
+    """Under Slurm the job's SIGTERM reaches the worker too: the case it was running and the
+    ones after it are reported as stopped, not as a crash."""
+    cases = [c for c in gpu.tiny_plan() if c.name.startswith("gpt-tiny")]
+    settings = gpu.Settings(device="cpu", vocab_size=512, warmup=1, steps=2, case_seconds=60, peak_tflops=None)
+    with open(tmp_path / "log", "w") as log:
+        records = gpu.run_group(cases, settings, deadline=time.monotonic() + 120, log=log)
+        assert "environment" in next(records)  # the worker is set up and starts the first case
+        os.kill(children(os.getpid())[0], signal.SIGTERM)
+        rest = list(records)
+    assert [(r["case"], r["status"], r["error"]) for r in rest] == [
+        (cases[0].name, "stopped", "stopped by SIGTERM"), (cases[1].name, "stopped", "worker stopped by SIGTERM")]
 
 
 @pytest.mark.parametrize("args, message", [
