@@ -32,7 +32,6 @@ through `datasets` in the main one.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
@@ -51,6 +50,7 @@ from data_pipeline.loader import build_loader
 from data_pipeline.prepare import prepare
 from data_pipeline.sources import parse_source
 from data_pipeline.tokenizer import gpt2_encoding
+from pretrain.cli import ArgumentParser, run_command
 
 LOADER_BATCHES = 400
 TRAIN_STEPS = 20
@@ -208,7 +208,7 @@ def hub_layouts(copies: int, rounds: int, num_proc: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--copies", type=int, default=4, help="copies of the corpus (~5 MB each)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--num-proc", type=int, default=2)
@@ -276,4 +276,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

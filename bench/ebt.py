@@ -12,7 +12,6 @@ Transformer++ and measures checkpointing memory):
 """
 from __future__ import annotations
 
-import argparse
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -21,6 +20,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from bench.memory import peak_allocated_bytes
 from bench.models import (Contender, add_shape_arguments, build_contender, print_table, seconds_per_step,
                           train_step)
+from pretrain.cli import ArgumentParser, run_command
 
 BASELINE = Contender("transformer_pp", "transformer_pp-tiny")
 TRAINING = [
@@ -83,7 +83,7 @@ def checkpointed_growth(args, idx) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n")[0])
     add_shape_arguments(parser)  # --steps: the number of layers here
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -97,4 +97,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

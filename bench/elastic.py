@@ -9,7 +9,6 @@ round writes a fresh checkpoint and times the four operations on it; the script 
 medians and their ratios to the save. docs/benchmarks.md records them."""
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import statistics
@@ -19,6 +18,8 @@ from pathlib import Path
 
 import torch
 import yaml
+
+from pretrain.cli import ArgumentParser, run_command
 
 
 def tree_bytes(path: Path) -> int:
@@ -40,7 +41,7 @@ def timed(fn) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--flavor", default="gpt-124m")
     parser.add_argument("--stage", type=int, default=2, help="ZeRO stage (1-3)")
     parser.add_argument("--seq-len", type=int, default=128)
@@ -99,4 +100,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

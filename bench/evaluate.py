@@ -10,13 +10,13 @@ Time is process CPU time with one intra-op thread by default (`--threads`), the 
 interleaved rounds, as in bench.models: on a shared machine it measures the work done."""
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
 
 from data_pipeline.sources import parse_source
 from data_pipeline.tokenizer import GPT2Tokenizer
+from pretrain.cli import ArgumentParser, run_command
 from pretrain.downstream.adapter import HarnessModel, Request
 from pretrain.fileio import markdown_table
 from pretrain.models import build, resolve
@@ -69,7 +69,7 @@ def measure(flavor: str, args, requests) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--families", default="gpt,nrgpt,ebt")
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--heads", type=int, default=4)
@@ -85,4 +85,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

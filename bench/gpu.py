@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from pretrain.cli import STOP_SIGNALS, Stopped, run_command, signals_held
+from pretrain.cli import STOP_SIGNALS, ArgumentParser, Stopped, run_command, signals_held
 from pretrain.fileio import atomic_write_text, markdown_table
 
 REPO = Path(__file__).resolve().parent.parent
@@ -558,7 +558,7 @@ def _number(x: float | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m bench.gpu", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny flavors (small vocabulary, T=64): a smoke test")
     parser.add_argument("--out", default="bench/out/gpu", help="directory for gpu.json, gpu.md and the log")

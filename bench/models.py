@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from bench.memory import peak_allocated_bytes
+from pretrain.cli import ArgumentParser, run_command
 from pretrain.models import build, resolve
 
 
@@ -149,7 +150,7 @@ def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n")[0])
     add_shape_arguments(parser)
     parser.add_argument("--only", choices=("families", "ebt", "memory"), default=None)
     args = parser.parse_args()
@@ -164,4 +165,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

@@ -20,7 +20,6 @@ the spread of the rounds' ratios.
 whole (prompt included)."""
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import statistics
@@ -30,6 +29,7 @@ from typing import Callable
 import torch
 
 from bench.models import print_table
+from pretrain.cli import ArgumentParser, run_command
 from pretrain.models import build, resolve
 from pretrain.models.common import DecodeCache, sample_logits
 
@@ -144,7 +144,7 @@ def measure(args, ways, families) -> list[tuple]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, nargs="+", default=[128, 512], help="prompt lengths")
     parser.add_argument("--new-tokens", type=int, default=64,
                         help="tokens generated per measurement (fewer make a tiny model's row a few ms long)")
@@ -177,4 +177,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

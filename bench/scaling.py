@@ -16,7 +16,6 @@ Medians over the rounds; the load average is printed because the threads ratio d
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
@@ -25,6 +24,7 @@ import numpy as np
 import torch
 
 from pretrain import models
+from pretrain.cli import ArgumentParser, run_command
 from pretrain.scaling.fit import fit_power_law
 from pretrain.scaling.joint import JointLaw, fit_joint_law
 
@@ -43,7 +43,7 @@ def step_cost(model, optimizer, batch, threads: int, steps: int = 5) -> tuple[fl
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
 
@@ -100,4 +100,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

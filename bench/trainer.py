@@ -10,7 +10,6 @@
 Prints the figures and ratios; docs/benchmarks.md records them."""
 from __future__ import annotations
 
-import argparse
 import shutil
 import statistics
 import tempfile
@@ -19,6 +18,8 @@ from pathlib import Path
 
 import torch
 import yaml
+
+from pretrain.cli import ArgumentParser, run_command
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -77,7 +78,7 @@ def side_by_side(contenders: dict, steps: int, warmup: int) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--flavor", default="gpt-mini")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--seq-len", type=int, default=128)
@@ -138,4 +139,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)
