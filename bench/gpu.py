@@ -384,27 +384,27 @@ def worker() -> int:
     whole job gets the scheduler's SIGTERM, this process too)."""
     spec = json.loads(sys.stdin.read())
     settings = Settings(**spec["settings"])
-    raise_on_stop_signals()
     case, started = None, time.perf_counter()
     try:
-        import deepspeed
-        import torch
-        from pretrain.engine import distributed_env
+        with stop_signals_raising():
+            import deepspeed
+            import torch
+            from pretrain.engine import distributed_env
 
-        if settings.device == "cpu":
-            torch.set_num_threads(1)  # tiny models on a shared CPU: one thread wastes least
-        distributed_env()
-        deepspeed.init_distributed(verbose=False)
-        emit({"environment": environment(settings.device)})
-        for raw in spec["cases"]:
-            case = Case(**raw)
-            started = time.perf_counter()
-            try:
-                result = (run_ebt_check if case.kind == "ebt_check" else run_throughput)(case, settings)
-            except Exception as e:  # reported, and the next case still runs
-                result = {"status": "error", "error": one_line(e)}
-            emit({"case": case.name, "seconds": time.perf_counter() - started, **result})
-            case = None
+            if settings.device == "cpu":
+                torch.set_num_threads(1)  # tiny models on a shared CPU: one thread wastes least
+            distributed_env()
+            deepspeed.init_distributed(verbose=False)
+            emit({"environment": environment(settings.device)})
+            for raw in spec["cases"]:
+                case = Case(**raw)
+                started = time.perf_counter()
+                try:
+                    result = (run_ebt_check if case.kind == "ebt_check" else run_throughput)(case, settings)
+                except Exception as e:  # reported, and the next case still runs
+                    result = {"status": "error", "error": one_line(e)}
+                emit({"case": case.name, "seconds": time.perf_counter() - started, **result})
+                case = None
     except (Stopped, KeyboardInterrupt) as e:  # the trainer raises KeyboardInterrupt for Ctrl-C
         signum = getattr(e, "signum", signal.SIGINT)
         if case is not None:
@@ -414,18 +414,24 @@ def worker() -> int:
     return 0
 
 
-def raise_on_stop_signals() -> None:
-    """Make the first stop signal raise `Stopped` where the process is, and ignore the ones after
-    it: the process then cleans up and reports without being stopped again halfway. (A worker
-    also leaves the hold on them that it inherits from `run_group`.)"""
+@contextlib.contextmanager
+def stop_signals_raising() -> Iterator[None]:
+    """During the block the first stop signal raises `Stopped` where the process is, and the ones
+    after it are ignored: the process then cleans up and reports without being stopped again
+    halfway. The handlers before it are restored after it. (A worker also leaves the hold on the
+    signals that it inherits from `run_group`.)"""
     def on_signal(signum, frame) -> None:
         for stop_signal in STOP_SIGNALS:
             signal.signal(stop_signal, signal.SIG_IGN)
         raise Stopped(signum)
 
-    for signum in STOP_SIGNALS:
-        signal.signal(signum, on_signal)
+    previous = {signum: signal.signal(signum, on_signal) for signum in STOP_SIGNALS}
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def emit(record: dict) -> None:
@@ -597,7 +603,6 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --only matches no case", file=sys.stderr)
         return 2
 
-    raise_on_stop_signals()
     start, wall_start = time.monotonic(), datetime.datetime.now(datetime.timezone.utc)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -613,7 +618,7 @@ def main(argv: list[str] | None = None) -> int:
     for case in plan:
         groups.setdefault(case.group, []).append(case)
     try:
-        with open(out / "gpu_workers.log", "w") as log:
+        with stop_signals_raising(), open(out / "gpu_workers.log", "w") as log:
             for cases in groups.values():
                 left = budget - (time.monotonic() - start)
                 if left < STARTUP_S / 2:

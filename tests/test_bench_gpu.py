@@ -86,7 +86,9 @@ def test_markdown_has_one_row_per_case(tiny_report):
 
 
 def test_spent_budget_skips_cases_and_still_writes_reports(tmp_path, capsys):
+    handlers = [signal.getsignal(signum) for signum in gpu.STOP_SIGNALS]
     assert gpu.main(["--device", "cpu", "--tiny", "--out", str(tmp_path), "--budget-s", "1"]) == 0
+    assert [signal.getsignal(signum) for signum in gpu.STOP_SIGNALS] == handlers  # the caller's again
     report = json.loads((tmp_path / "gpu.json").read_text())
     assert {c["status"] for c in report["cases"]} == {"skipped"}
     assert "skipped: run budget spent" in (tmp_path / "gpu.md").read_text()
@@ -145,7 +147,8 @@ def test_a_worker_stopped_by_the_scheduler_reports_its_cases_as_stopped(tmp_path
     settings = gpu.Settings(device="cpu", vocab_size=512, warmup=1, steps=2, case_seconds=60, peak_tflops=None)
     with open(tmp_path / "log", "w") as log:
         records = gpu.run_group(cases, settings, deadline=time.monotonic() + 120, log=log)
-        assert "environment" in next(records)  # the worker is set up and starts the first case
+        assert "environment" in next(records)  # the worker is set up and starts the first case,
+        time.sleep(1.0)  # which builds an engine for seconds
         os.kill(children(os.getpid())[0], signal.SIGTERM)
         rest = list(records)
     assert [(r["case"], r["status"], r["error"]) for r in rest] == [
