@@ -208,7 +208,7 @@ def hub_layouts(copies: int, rounds: int, num_proc: int) -> None:
 
 
 def main() -> None:
-    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m bench.data", description=__doc__.split("\n\n")[0])
     parser.add_argument("--copies", type=int, default=4, help="copies of the corpus (~5 MB each)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--num-proc", type=int, default=2)

@@ -83,7 +83,7 @@ def checkpointed_growth(args, idx) -> None:
 
 
 def main() -> None:
-    parser = ArgumentParser(description=__doc__.split("\n")[0])
+    parser = ArgumentParser(prog="python -m bench.ebt", description=__doc__.split("\n")[0])
     add_shape_arguments(parser)  # --steps: the number of layers here
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

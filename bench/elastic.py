@@ -41,7 +41,7 @@ def timed(fn) -> float:
 
 
 def main() -> None:
-    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m bench.elastic", description=__doc__.split("\n\n")[0])
     parser.add_argument("--flavor", default="gpt-124m")
     parser.add_argument("--stage", type=int, default=2, help="ZeRO stage (1-3)")
     parser.add_argument("--seq-len", type=int, default=128)

@@ -69,7 +69,7 @@ def measure(flavor: str, args, requests) -> dict:
 
 
 def main() -> None:
-    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m bench.evaluate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--families", default="gpt,nrgpt,ebt")
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--heads", type=int, default=4)

@@ -150,7 +150,7 @@ def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main() -> None:
-    parser = ArgumentParser(description=__doc__.split("\n")[0])
+    parser = ArgumentParser(prog="python -m bench.models", description=__doc__.split("\n")[0])
     add_shape_arguments(parser)
     parser.add_argument("--only", choices=("families", "ebt", "memory"), default=None)
     args = parser.parse_args()

@@ -144,7 +144,7 @@ def measure(args, ways, families) -> list[tuple]:
 
 
 def main() -> None:
-    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m bench.sample", description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, nargs="+", default=[128, 512], help="prompt lengths")
     parser.add_argument("--new-tokens", type=int, default=64,
                         help="tokens generated per measurement (fewer make a tiny model's row a few ms long)")

@@ -43,7 +43,7 @@ def step_cost(model, optimizer, batch, threads: int, steps: int = 5) -> tuple[fl
 
 
 def main() -> None:
-    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m bench.scaling", description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
 

@@ -78,7 +78,7 @@ def side_by_side(contenders: dict, steps: int, warmup: int) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m bench.trainer", description=__doc__.split("\n\n")[0])
     parser.add_argument("--flavor", default="gpt-mini")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--seq-len", type=int, default=128)
