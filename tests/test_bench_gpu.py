@@ -8,14 +8,13 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
+import trainer_runs as runs
 from bench import gpu
 from pretrain.models import build, resolve
 
-REPO = Path(__file__).resolve().parent.parent
 PEAK = 2.0
 """A made-up peak (TFLOP/s) so that MFU is computed on a CPU too."""
 
@@ -23,10 +22,9 @@ PEAK = 2.0
 @pytest.fixture(scope="module")
 def tiny_report(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench-gpu")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     proc = subprocess.run([sys.executable, "-m", "bench.gpu", "--device", "cpu", "--tiny", "--out", str(out),
-                           "--peak-tflops", str(PEAK)], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=600)
+                           "--peak-tflops", str(PEAK)], cwd=runs.REPO, env=runs.child_env(), capture_output=True,
+                          text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads((out / "gpu.json").read_text()), (out / "gpu.md").read_text()
 
@@ -104,28 +102,15 @@ def test_worker_past_its_deadline_is_killed_and_its_cases_reported(tmp_path):
     assert [(r["case"], r["status"]) for r in records if "case" in r] == [(c.name, "timeout") for c in cases]
 
 
-def children(pid: int) -> list[int]:
-    return [int(child) for task in Path(f"/proc/{pid}/task").iterdir()
-            for child in (task / "children").read_text().split()]
-
-
-def wait_for(condition, what: str, timeout: float = 60.0):
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"no {what} after {timeout:.0f} s"
-        time.sleep(0.05)
-    return value
-
-
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_stop_signal_stops_the_worker_and_reports_the_cases_as_stopped(signum, tmp_path):
     """Ctrl-C or a scheduler's SIGTERM to the benchmark: its worker, in a session of its own that
     the signal does not reach, must not keep the device busy, and the report says what happened."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     proc = subprocess.Popen([sys.executable, "-m", "bench.gpu", "--device", "cpu", "--tiny", "--out", str(tmp_path),
-                             "--only", "transformer_pp"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    worker = wait_for(lambda: children(proc.pid), "worker")[0]
+                             "--only", "transformer_pp"], cwd=runs.REPO, env=runs.child_env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    runs.wait_for(lambda: runs.process_tree(proc.pid)[1:], "the worker started", proc)
+    worker = runs.process_tree(proc.pid)[1]
     time.sleep(1.0)  # into the worker's imports
     proc.send_signal(signum)
     out, err = proc.communicate(timeout=60)
@@ -137,7 +122,8 @@ def test_a_stop_signal_stops_the_worker_and_reports_the_cases_as_stopped(signum,
     report = json.loads((tmp_path / "gpu.json").read_text())
     assert {(c["status"], c["error"]) for c in report["cases"]} == {
         ("stopped", f"stopped by {signal.Signals(signum).name}")}
-    assert f"| transformer_pp-tiny ac=off | stopped: stopped by {signal.Signals(signum).name} |" in (tmp_path / "gpu.md").read_text()
+    markdown = (tmp_path / "gpu.md").read_text()
+    assert f"| transformer_pp-tiny ac=off | stopped: stopped by {signal.Signals(signum).name} |" in markdown
 
 
 def test_a_worker_stopped_by_the_scheduler_reports_its_cases_as_stopped(tmp_path):
@@ -149,7 +135,7 @@ def test_a_worker_stopped_by_the_scheduler_reports_its_cases_as_stopped(tmp_path
         records = gpu.run_group(cases, settings, deadline=time.monotonic() + 120, log=log)
         assert "environment" in next(records)  # the worker is set up and starts the first case,
         time.sleep(1.0)  # which builds an engine for seconds
-        os.kill(children(os.getpid())[0], signal.SIGTERM)
+        os.kill(runs.process_tree(os.getpid())[1], signal.SIGTERM)  # the worker, this process's only child
         rest = list(records)
     assert [(r["case"], r["status"], r["error"]) for r in rest] == [
         (cases[0].name, "stopped", "stopped by SIGTERM"), (cases[1].name, "stopped", "worker stopped by SIGTERM")]

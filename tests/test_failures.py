@@ -12,7 +12,6 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Callable
 
 import pytest
 
@@ -173,16 +172,6 @@ def test_resume_restart_moves_the_run_aside_and_starts_fresh(source_run, tmp_pat
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 4
 
 
-def _wait_for(done: Callable[[], bool], what: str, proc: subprocess.Popen, poll_s: float = 0.05,
-              timeout: float = 240) -> None:
-    """Until done() is true, while proc runs; `what` names it in the failure."""
-    deadline = time.monotonic() + timeout
-    while not done():
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
-        time.sleep(poll_s)
-
-
 @pytest.mark.parametrize("launcher", ["python", "torchrun.sh"])
 def test_ctrl_c_saves_a_checkpoint_and_exits_with_the_requeue_code(tmp_path, launcher):
     overrides = [*ONE_PROCESS[:2], "train.max_steps=100000", "checkpoint.interval=4",
@@ -197,7 +186,7 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_with_the_requeue_code(tmp_path, lau
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         marker = tag(tmp_path / "interrupted", 4) / checkpoint.MARKER
-        _wait_for(marker.exists, f"{marker} written", proc)
+        runs.wait_for(marker.exists, f"{marker} written", proc)
         os.killpg(proc.pid, signal.SIGINT)
         out, err = proc.communicate(timeout=240)
     finally:
@@ -240,9 +229,9 @@ def test_a_stop_signal_during_setup_stops_it_at_once(tmp_path, launcher, signum,
     proc = subprocess.Popen(command, cwd=runs.REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True, preexec_fn=runs.terminal_sigint)
     try:
-        _wait_for(lambda: any(tmp_path.glob(".prepared.incomplete-*")), "the preparation begun", proc)
+        runs.wait_for(lambda: any(tmp_path.glob(".prepared.incomplete-*")), "the preparation begun", proc)
         # and its tokenizer processes run (forked by rank 0: the same command line)
-        _wait_for(lambda: importing_torch(proc, "pretrain.train") >= ranks + (default_num_proc() > 1),
+        runs.wait_for(lambda: importing_torch(proc, "pretrain.train") >= ranks + (default_num_proc() > 1),
                   "the tokenizer processes started", proc)
         signalled = time.monotonic()
         os.killpg(proc.pid, signum)
@@ -327,7 +316,7 @@ def test_ctrl_c_while_a_command_is_still_starting_is_one_line(tmp_path, launch):
     proc = subprocess.Popen(command, cwd=runs.REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True, preexec_fn=runs.terminal_sigint)
     try:
-        _wait_for(lambda: importing_torch(proc, module) >= processes, f"{module} started", proc, poll_s=0.01)
+        runs.wait_for(lambda: importing_torch(proc, module) >= processes, f"{module} started", proc, poll_s=0.01)
         os.killpg(proc.pid, signal.SIGINT)  # torchrun forwards it to the ranks (sessions of their own)
         _, err = proc.communicate(timeout=240)
     finally:

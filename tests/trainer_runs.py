@@ -17,8 +17,10 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from functools import cache
 from pathlib import Path
+from typing import Callable
 
 import yaml
 
@@ -125,6 +127,16 @@ def process_tree(pid: int) -> list[int]:
         tree.append(todo.pop())
         todo.extend(children.get(tree[-1], []))
     return tree
+
+
+def wait_for(done: Callable[[], object], what: str, proc: subprocess.Popen, poll_s: float = 0.05,
+             timeout: float = 240) -> None:
+    """Until done() is true, while proc runs; `what` names it in the failure."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
+        time.sleep(poll_s)
 
 
 def remove_leaked_shared_memory() -> None:
