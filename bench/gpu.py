@@ -384,7 +384,7 @@ def worker() -> int:
     whole job gets the scheduler's SIGTERM, this process too)."""
     spec = json.loads(sys.stdin.read())
     settings = Settings(**spec["settings"])
-    case, started = None, time.perf_counter()
+    case = None
     try:
         with stop_signals_raising():
             import deepspeed

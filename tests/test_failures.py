@@ -232,7 +232,7 @@ def test_a_stop_signal_during_setup_stops_it_at_once(tmp_path, launcher, signum,
         runs.wait_for(lambda: any(tmp_path.glob(".prepared.incomplete-*")), "the preparation begun", proc)
         # and its tokenizer processes run (forked by rank 0: the same command line)
         runs.wait_for(lambda: importing_torch(proc, "pretrain.train") >= ranks + (default_num_proc() > 1),
-                  "the tokenizer processes started", proc)
+                      "the tokenizer processes started", proc)
         signalled = time.monotonic()
         os.killpg(proc.pid, signum)
         _, err = proc.communicate(timeout=240)
