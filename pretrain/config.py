@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from pretrain.typed import parse_override, read_typed
+from pretrain.typed import YAMLError, load_yaml, parse_override, read_typed
 
 RESUME_MODES = ("auto", "never", "restart")
 PREPARATION_KEYS = {"data.source", "data.tokenizer", "data.val_fraction"}
@@ -292,11 +293,11 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
     if path.is_dir():
         raise ConfigError(f"--config {path} is a directory; give one of its YAML files")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = load_yaml(path.read_text(), str(path)) or {}
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
+    except YAMLError as e:
+        raise ConfigError(str(e)) from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of keys to values")
     from_command_line = set()
@@ -433,11 +434,12 @@ def validate(cfg: RunConfig, world_size: int, has_gpu: bool) -> None:
             f"must be a rank of this run (0..{world_size - 1})")
 
     from pretrain.models import model_class, resolve  # the registry; imported late to keep config light
+    overrides = typed_model_overrides(cfg)
     try:
-        model_config = resolve(cfg.model.flavor, cfg.model.overrides)
+        model_config = resolve(cfg.model.flavor, overrides)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"model: {e}") from None
-    block_size = cfg.model.overrides.get("block_size")
+    block_size = model_config.block_size if "block_size" in cfg.model.overrides else None
     require(block_size is None or block_size >= cfg.data.seq_len, "model.overrides",
             f"block_size={block_size} is shorter than data.seq_len={cfg.data.seq_len}")
     require(cfg.model.compile == "off" or cfg.model.compile in _compile_backends(), "model.compile",
@@ -476,5 +478,17 @@ def model_config(cfg: RunConfig, dataset_vocab_size: int) -> Any:
     overrides = {"vocab_size": padded_vocab(dataset_vocab_size), "block_size": cfg.data.seq_len}
     if cfg.model.activation_checkpointing is not None:
         overrides["activation_checkpointing"] = cfg.model.activation_checkpointing
-    overrides.update(cfg.model.overrides)
+    overrides.update(typed_model_overrides(cfg))
     return resolve(cfg.model.flavor, overrides)
+
+
+def typed_model_overrides(cfg: RunConfig) -> dict[str, Any]:
+    """`model.overrides` read against the flavor's config fields (the section itself is untyped,
+    as flavors differ): `bias: no` is the word "no" in YAML 1.2 until it meets a true/false field.
+    Unknown flavors and fields are left to `resolve` to name."""
+    from pretrain.models import FLAVORS
+
+    flavor = FLAVORS.get(cfg.model.flavor)
+    hints = typing.get_type_hints(type(flavor)) if flavor is not None else {}
+    return {key: read_typed(hints[key], value, lambda _: "model.overrides", ConfigError, key)
+            if key in hints else value for key, value in cfg.model.overrides.items()}

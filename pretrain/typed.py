@@ -18,6 +18,48 @@ import yaml
 
 YAML11_EXPONENT = re.compile(r"[-+]?\d+(\.\d*)?[eE][-+]?\d+")
 """Numbers such as 3e-4 that PyYAML (YAML 1.1) reads as strings; float fields accept them."""
+YAML11_BOOLEANS = {"yes": True, "on": True, "true": True, "no": False, "off": False, "false": False}
+"""YAML 1.1's boolean words. Only true and false are booleans when read (as in YAML 1.2), so that
+a text key keeps `off` or `no` as the word it is; a true/false key accepts all of them."""
+BOOL_TAG = "tag:yaml.org,2002:bool"
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2's booleans and duplicate keys refused."""
+
+    def construct_mapping(self, node, deep=False):
+        first_line = {}
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if key in first_line:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} at line {line} (first at line {first_line[key]}); "
+                    "a second one would silently replace the first: merge them", key_node.start_mark)
+            first_line[key] = line
+        return super().construct_mapping(node, deep)
+
+
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != BOOL_TAG]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Loader.add_implicit_resolver(BOOL_TAG, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+
+
+class YAMLError(ValueError):
+    """Text that is not valid YAML, or has a key twice; one line with the position."""
+
+
+def load_yaml(text: str, where: str) -> Any:
+    """Parse a YAML document the way every config and sweep file is read (see `_Loader`)."""
+    try:
+        return yaml.load(text, Loader=_Loader)
+    except yaml.YAMLError as e:
+        if isinstance(e, yaml.constructor.ConstructorError) and e.problem and e.problem.startswith("duplicate"):
+            raise YAMLError(f"{where}: {e.problem}") from None
+        raise YAMLError(f"{where}: not valid YAML ({' '.join(str(e).split())})") from None
 
 
 def parse_override(item: str, error: type[Exception] = ValueError) -> tuple[str, Any]:
@@ -27,7 +69,7 @@ def parse_override(item: str, error: type[Exception] = ValueError) -> tuple[str,
     if not sep or not key.strip():
         raise error(f"command line: override {item!r} is not of the form key.sub=value")
     try:
-        value = yaml.safe_load(text)
+        value = yaml.load(text, Loader=_Loader)
     except yaml.YAMLError:
         value = text
     return key.strip(), value
@@ -52,6 +94,8 @@ def read_typed(tp: Any, value: Any, origin: Callable[[str], str], error: type[Ex
     if tp is Any:
         return value
     if tp is bool:
+        if isinstance(value, str) and value.lower() in YAML11_BOOLEANS:
+            return YAML11_BOOLEANS[value.lower()]
         return value if isinstance(value, bool) else fail("true or false")
     if tp is int:
         return value if isinstance(value, int) and not isinstance(value, bool) else fail("an integer")
@@ -62,6 +106,8 @@ def read_typed(tp: Any, value: Any, origin: Callable[[str], str], error: type[Ex
             return float(value)
         return fail("a number")
     if tp is str:
+        if isinstance(value, bool):  # true/false as the word written
+            return str(value).lower()
         return value if isinstance(value, str) else fail("a string")
     container = typing.get_origin(tp)
     if container is list:

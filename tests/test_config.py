@@ -99,6 +99,42 @@ def test_missing_and_malformed_files(tmp_path):
         load_config(tmp_path / "broken.yaml")
 
 
+def test_a_key_given_twice_is_an_error_naming_it_and_its_lines(tmp_path):
+    # two model sections: last-wins would silently train the second flavor
+    path = tmp_path / "twice.yaml"
+    path.write_text("model:\n  flavor: nrgpt-tiny\ndata:\n  path: d\n  seq_len: 64\n"
+                    "model:\n  flavor: gpt-tiny\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == (f"{path}: duplicate key 'model' at line 6 (first at line 1); a second one "
+                              "would silently replace the first: merge them")
+    path.write_text("train:\n  max_steps: 3\n  max_steps: 4\n")
+    with pytest.raises(ConfigError, match="duplicate key 'max_steps' at line 3 \\(first at line 2\\)"):
+        load_config(path)
+
+
+def test_text_keys_take_yamls_boolean_words_as_the_words(minimal, tmp_path):
+    # YAML 1.1 reads off/no/on/yes as booleans; `model.compile=off` is the documented value
+    cfg = load_config(minimal, ["model.compile=off", "model.activation_checkpointing=off", "resume=auto"])
+    validate(cfg, world_size=1, has_gpu=False)
+    assert (cfg.model.compile, cfg.model.activation_checkpointing) == ("off", "off")
+    in_file = tmp_path / "file.yaml"
+    in_file.write_text(minimal.read_text() + "model:\n  compile: off\n  activation_checkpointing: off\n")
+    cfg = load_config(in_file)
+    assert (cfg.model.compile, cfg.model.activation_checkpointing) == ("off", "off")
+    # true/false keys still take all of YAML 1.1's words
+    cfg = load_config(minimal, ["data.overwrite=yes", "data.allow_change=on", "zero.overlap_comm=no"])
+    assert (cfg.data.overwrite, cfg.data.allow_change, cfg.zero.overlap_comm) == (True, True, False)
+    # and so do the model's own fields, which reach it untyped through model.overrides
+    cfg = load_config(minimal, ["model.overrides.bias=no", "model.overrides.n_layer=3"])
+    validate(cfg, world_size=1, has_gpu=False)
+    assert model_config(cfg, 100).bias is False and model_config(cfg, 100).n_layer == 3
+    with pytest.raises(ConfigError, match="^model.overrides: bias must be true or false, got 'maybe'$"):
+        validate(load_config(minimal, ["model.overrides.bias=maybe"]), world_size=1, has_gpu=False)
+    with pytest.raises(ConfigError, match="^model.overrides: n_layer must be an integer, got 'four'$"):
+        validate(load_config(minimal, ["model.overrides.n_layer=four"]), world_size=1, has_gpu=False)
+
+
 @pytest.mark.parametrize("overrides, world_size, has_gpu, message", [
     (["train.precision=fp16"], 1, False, "train.precision='fp16': fp16 needs a GPU"),
     (["train.global_batch_size=12"], 2, False,

@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 
 from pretrain.fileio import atomic_write_text, read_json
-from pretrain.typed import parse_override, read_typed
+from pretrain.typed import load_yaml, parse_override, read_typed
 from pretrain.scaling.registry import SUMMARY_FILE, SWEEP_FILE
 
 
@@ -153,10 +153,7 @@ def load_sweep(path: str | Path, overrides: list[str] = ()) -> Sweep:
         raise ValueError(f"sweep file not found: {path}")
     if path.is_dir():
         raise ValueError(f"sweep file is a directory: {path}")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise ValueError(f"{path}: not valid YAML ({err})".replace("\n", " ")) from None
+    raw = load_yaml(path.read_text(), str(path))
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: the top level must be a mapping of keys to values")
     where = str(path) if not overrides else f"{path} with {' '.join(overrides)}"
