@@ -45,6 +45,7 @@ import xxhash
 from pretrain.config import ConfigError, RunConfig, from_dict, get_key, padded_vocab, to_dict
 from pretrain.engine import seed_process
 from pretrain.fileio import atomic_write, atomic_write_text
+from pretrain.runlock import RunLock, hold_run
 
 MARKER = "complete.json"
 LATEST = "latest"
@@ -391,6 +392,8 @@ class CheckpointManager:
         self.resume_from: tuple[Path, Marker, bool] | None = None
         """The checkpoint `resume_point` chose, its marker and whether it loads through its
         universal form."""
+        self.run_lock: RunLock | None = None
+        """Rank 0's hold on the run directory, from `resume_point` until `release`."""
 
     # -- before any work
 
@@ -400,8 +403,10 @@ class CheckpointManager:
         model and seq_len, loadable at this world size and ZeRO stage. `resume=restart` first
         moves an existing run directory aside. Collective once the job is distributed (the
         checksums are shared out; every rank reaches the same decision). `checking_only` (a
-        launcher's check before it starts the ranks): sizes but no checksums, nothing moved."""
+        launcher's check before it starts the ranks): sizes but no checksums, nothing moved.
+        First of all it takes the run (`runlock`): nothing is read or moved under a live trainer."""
         cfg = self.cfg
+        self.run_lock = hold_run(cfg.run_dir, self.rank, checking_only)
         if cfg.resume == "restart":
             if not checking_only:
                 self._move_run_aside()
@@ -458,6 +463,12 @@ class CheckpointManager:
             _warn(f"resume=restart: moved the previous run to {aside}; starting fresh")
         if dist.is_initialized():
             dist.barrier()
+
+    def release(self) -> None:
+        """Let go of the run directory (the job is over, or it failed)."""
+        if self.run_lock is not None:
+            self.run_lock.release()
+            self.run_lock = None
 
     def check_data(self, data: dict) -> None:
         """Refuse to continue the chosen checkpoint on other data than it was trained on (by

@@ -410,6 +410,7 @@ class Trainer:
         clean; restore the signal handlers."""
         if self.batches is not None:
             self.batches.close()
+        self.checkpoints.release()
         for name in ("batches", "loader", "val_loader", "engine"):
             self.__dict__.pop(name, None)
         gc.collect()
