@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import trainer_runs as runs
+from numerics import assert_rounding_close
 from pretrain import export, sample
 from pretrain.models import build, resolve
 from pretrain.models.common import DecodeCache, decode, sample_logits
@@ -73,7 +74,7 @@ def test_cached_chunk_gives_every_position(name):
         full = model(idx).logits
         cache = DecodeCache()
         parts = [model(idx[:, a:b], cache=cache).logits for a, b in ((0, 1), (1, 9), (9, 10), (10, 16))]
-    assert torch.allclose(torch.cat(parts, dim=1), full, atol=2e-5, rtol=0)
+    assert_rounding_close(torch.cat(parts, dim=1), full)
 
 
 @pytest.mark.parametrize("name", CASES)
