@@ -8,11 +8,13 @@ from __future__ import annotations
 import torch
 
 
-def assert_rounding_close(actual: torch.Tensor, expected: torch.Tensor, ulps: float = 64, msg: str | None = None) -> None:
-    """`actual` equals `expected` up to `ulps` units in the last place of the dtype, both of each
-    element and of the largest magnitude in `expected` (a logit near zero in a row of
-    thousands carries the rounding of the thousands). A real difference (a wrong weight, a
+def assert_rounding_close(actual: torch.Tensor, expected: torch.Tensor, ulps: float = 64, msg: str | None = None,
+                          rounded_in: torch.dtype | None = None) -> None:
+    """`actual` equals `expected` up to `ulps` units in the last place, both of each element and
+    of the largest magnitude in `expected` (a logit near zero in a row of thousands carries the
+    rounding of the thousands). The units are those of `rounded_in`, the dtype in which the two
+    sides may first have differed (default: `expected`'s). A real difference (a wrong weight, a
     leaked position) is orders of magnitude larger."""
-    eps = torch.finfo(expected.dtype).eps
+    eps = torch.finfo(rounded_in or expected.dtype).eps
     scale = expected.detach().abs().max().item()
     torch.testing.assert_close(actual, expected, rtol=ulps * eps, atol=ulps * eps * scale, msg=msg)

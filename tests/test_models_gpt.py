@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from numerics import assert_rounding_close
 from pretrain.models import build, resolve
 from pretrain.models.gpt import GPTConfig
 
@@ -107,6 +108,8 @@ def test_reference_values(flavor):
     idx = torch.randint(0, 64, (2, 16))
     out = model(idx[:, :-1], idx[:, 1:])
     loss, logits = REFERENCE[flavor]
-    assert out.loss.item() == pytest.approx(loss, rel=1e-9)
-    assert torch.allclose(out.logits[0, -1, :4], torch.tensor(logits, dtype=torch.float64),
-                          rtol=1e-8, atol=1e-12)
+    # the weights are drawn in float32, whose normal_ rounds differently by host (AVX-512, AVX2
+    # or generic kernels): the float64 forward carries that rounding
+    assert_rounding_close(out.loss.detach(), torch.tensor(loss, dtype=torch.float64), rounded_in=torch.float32)
+    assert_rounding_close(out.logits[0, -1, :4].detach(), torch.tensor(logits, dtype=torch.float64),
+                          rounded_in=torch.float32)
