@@ -19,16 +19,35 @@
 #   PYTHON           interpreter (default: .venv/bin/python if present, else python3)
 set -euo pipefail
 
-if [ $# -lt 1 ]; then
-  echo "usage: launch/torchrun.sh CONFIG [key=value ...]" >&2
+fail() {  # a bad input: one line, exit 2
+  echo "error: $*" >&2
   exit 2
+}
+
+# whole_number NAME MIN [MAX]: the knob NAME must be a whole number in [MIN, MAX] (written
+# back without leading zeros). At most 9 digits: bash's arithmetic wraps longer ones around.
+whole_number() {
+  local name=$1 min=$2 max=${3:-} value=${!1}
+  if ! [[ "$value" =~ ^[0-9]{1,9}$ ]] || ((10#$value < min)) || { [ -n "$max" ] && ((10#$value > max)); }; then
+    if [ -n "$max" ]; then fail "$name=$value: must be a whole number from $min to $max"; fi
+    fail "$name=$value: must be a whole number of at least $min"
+  fi
+  printf -v "$name" %d "$((10#$value))"
+}
+
+if [ $# -lt 1 ]; then
+  fail "no config given; usage: launch/torchrun.sh CONFIG [key=value ...]"
 fi
 config=$1
 shift
-if [ ! -f "$config" ]; then
-  echo "launch/torchrun.sh: config file not found: $config" >&2
-  exit 2
+if [ -d "$config" ]; then
+  shopt -s nullglob
+  configs=("${config%/}"/*.yaml "${config%/}"/*.yml)
+  [ ${#configs[@]} -gt 0 ] || fail "$config is a directory with no YAML config in it; give a config file"
+  listing=$(printf ', %s' "${configs[@]}")
+  fail "$config is a directory; give one of its configs: ${listing:2}"
 fi
+[ -f "$config" ] || fail "config file not found: $config"
 config=$(cd "$(dirname "$config")" && pwd)/$(basename "$config")
 
 repo_root=$(cd "$(dirname "$0")/.." && pwd)
@@ -40,6 +59,10 @@ if [ -z "${NPROC_PER_NODE:-}" ]; then
   NPROC_PER_NODE=$("$PYTHON" -c "import torch; print(torch.cuda.device_count() or 1)")
 fi
 NNODES=${NNODES:-1}
+GRACE_SECONDS=${GRACE_SECONDS:-300}
+whole_number NPROC_PER_NODE 1
+whole_number NNODES 1
+whole_number GRACE_SECONDS 0
 
 # torchrun forwards these signals to its workers and waits GRACE_SECONDS for them to save a
 # checkpoint. By default it does not handle SIGUSR1 (Slurm's early warning) and dies of it,
@@ -50,17 +73,20 @@ NNODES=${NNODES:-1}
 # rank 0's one-line error is the last line of a failed launch.
 args=(--nproc_per_node="$NPROC_PER_NODE"
       --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1
-      --shutdown-timeout="${GRACE_SECONDS:-300}")
+      --shutdown-timeout="$GRACE_SECONDS")
 if [ "$NNODES" = 1 ] && [ -z "${RDZV_ENDPOINT:-}" ]; then
   args+=(--standalone)
 elif [ -n "${RDZV_ENDPOINT:-}" ]; then
   args+=(--nnodes="$NNODES" --rdzv_backend=c10d --rdzv_endpoint="$RDZV_ENDPOINT"
          --rdzv_id="${RDZV_ID:-${SLURM_JOB_ID:-pretrain}}")
 else
-  : "${NODE_RANK:?NODE_RANK must be set when NNODES > 1 (or set RDZV_ENDPOINT)}"
-  : "${MASTER_ADDR:?MASTER_ADDR must be set when NNODES > 1 (or set RDZV_ENDPOINT)}"
+  [ -n "${NODE_RANK:-}" ] || fail "NODE_RANK must be set when NNODES > 1 (or set RDZV_ENDPOINT)"
+  [ -n "${MASTER_ADDR:-}" ] || fail "MASTER_ADDR must be set when NNODES > 1 (or set RDZV_ENDPOINT)"
+  MASTER_PORT=${MASTER_PORT:-29500}
+  whole_number NODE_RANK 0 "$((NNODES - 1))"
+  whole_number MASTER_PORT 1 65535
   args+=(--nnodes="$NNODES" --node_rank="$NODE_RANK" --master_addr="$MASTER_ADDR"
-         --master_port="${MASTER_PORT:-29500}")
+         --master_port="$MASTER_PORT")
 fi
 
 cd "$repo_root"

@@ -4,6 +4,7 @@ import os
 import signal
 import stat
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -173,8 +174,49 @@ def test_torchrun_script_static_and_c10d(tmp_path):
 def test_torchrun_script_rejects_missing_config_and_rank(tmp_path):
     result = subprocess.run(["bash", "launch/torchrun.sh", "no/such.yaml"], cwd=REPO,
                             capture_output=True, text=True)
-    assert result.returncode == 2 and "config file not found: no/such.yaml" in result.stderr
+    assert result.returncode == 2 and result.stderr.splitlines() == ["error: config file not found: no/such.yaml"]
     env = {"PATH": os.environ["PATH"], "NPROC_PER_NODE": "1", "NNODES": "2", "PYTHON": "true"}
     result = subprocess.run(["bash", "launch/torchrun.sh", "configs/tiny/gpt.yaml"], cwd=REPO,
                             env=env, capture_output=True, text=True)
-    assert result.returncode != 0 and "NODE_RANK must be set" in result.stderr
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == ["error: NODE_RANK must be set when NNODES > 1 (or set RDZV_ENDPOINT)"]
+
+
+@pytest.mark.parametrize("knobs, line", [
+    ({"NPROC_PER_NODE": "two"}, "error: NPROC_PER_NODE=two: must be a whole number of at least 1"),
+    ({"NPROC_PER_NODE": "0"}, "error: NPROC_PER_NODE=0: must be a whole number of at least 1"),
+    ({"NNODES": "two"}, "error: NNODES=two: must be a whole number of at least 1"),
+    ({"NNODES": "0"}, "error: NNODES=0: must be a whole number of at least 1"),
+    ({"NNODES": "-2"}, "error: NNODES=-2: must be a whole number of at least 1"),
+    ({"NNODES": "2", "NODE_RANK": "2", "MASTER_ADDR": "10.0.0.5"},
+     "error: NODE_RANK=2: must be a whole number from 0 to 1"),
+    ({"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "http"},
+     "error: MASTER_PORT=http: must be a whole number from 1 to 65535"),
+    ({"GRACE_SECONDS": "5m"}, "error: GRACE_SECONDS=5m: must be a whole number of at least 0"),
+])
+def test_torchrun_script_refuses_bad_knobs_in_one_line(tmp_path, knobs, line):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    _install(bin_dir, "fake-python", FAKE_PYTHON)
+    env = {"PATH": os.environ["PATH"], "RECORD_DIR": str(tmp_path), "PYTHON": str(bin_dir / "fake-python"),
+           "NPROC_PER_NODE": "2", **knobs}
+    result = subprocess.run(["bash", "launch/torchrun.sh", "configs/tiny/gpt.yaml"], cwd=REPO, env=env,
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and result.stderr.splitlines() == [line], result.stderr
+    assert not (tmp_path / "calls").exists()  # nothing was started
+
+
+def test_torchrun_script_names_the_configs_of_a_directory():
+    result = subprocess.run(["bash", "launch/torchrun.sh", "configs/tiny"], cwd=REPO,
+                            capture_output=True, text=True)
+    configs = ", ".join(f"configs/tiny/{p.name}" for p in sorted((REPO / "configs/tiny").glob("*.yaml")))
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [f"error: configs/tiny is a directory; give one of its configs: {configs}"]
+
+
+def test_the_launch_check_refuses_a_world_of_no_processes():
+    result = subprocess.run([sys.executable, "-m", "pretrain.train", "--check", "--world-size", "0",
+                             "--config", "configs/tiny/gpt.yaml"], cwd=REPO, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == ["error: argument --world-size: must be >= 1, got 0 (see --help)"]
