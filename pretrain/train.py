@@ -493,6 +493,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value",
                         help="config overrides, values parsed as YAML (e.g. zero.stage=3)")
     args = parser.parse_args(argv)
+    if args.world_size is not None and args.world_size < 1:
+        parser.error(f"argument --world-size: must be >= 1, got {args.world_size}")
     from data_pipeline.sources import DataError
     from pretrain.torchrun import write_exit_file
 
