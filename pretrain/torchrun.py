@@ -3,23 +3,39 @@
     python -m pretrain.torchrun [torchrun options] -m pretrain.train --config ... [key=value ...]
 
 `launch/torchrun.sh` runs this instead of plain torchrun. It is torchrun itself (the same
-options, rendezvous, signal forwarding and worker restarts), with two changes for the way the
-trainer fails: the trainer's ranks already print one `error: ...` line (rank 0) and exit with a
-meaningful code (2 config/data, 1 training error, 75 checkpoint saved after a signal, 130 Ctrl-C
-twice), so torchrun's own 40-line ChildFailedError report is left out, and this process exits
-with the code of the node's first rank (written to PRETRAIN_EXIT_FILE by the trainer) instead of
-torchrun's 1. torchrun's log lines are kept back and shown only when a worker died without saying
-why (killed by a signal, or exited without writing its code)."""
+options, rendezvous, signal forwarding and worker restarts), with three changes for the way the
+trainer fails:
+
+- The trainer's ranks already print one `error: ...` line (rank 0) and exit with a meaningful
+  code (2 config/data, 1 training error, 75 checkpoint saved after a signal, 130 Ctrl-C twice),
+  so torchrun's own 40-line ChildFailedError report is left out, and this process exits with the
+  trainer's code instead of torchrun's 1. Every rank writes its code and error line to
+  PRETRAIN_EXIT_DIR as it exits; an error that only another rank than rank 0 met (so nobody
+  printed it) is printed here, as the last line.
+- When a worker fails, the others get FAILED_PEER_GRACE_S to end by themselves and are then
+  killed. torchrun would send them SIGTERM and wait 30 s (fixed, whatever --shutdown-timeout
+  says), which helps nobody here: a rank waiting for the dead one in a collective (or in the
+  store, while DeepSpeed creates its groups) is inside C++ and runs no signal handler, and one
+  that does run it takes the signal for a scheduler's stop and saves or reports that, for a job
+  that cannot go on without the dead rank anyway.
+- torchrun's log lines are kept back and shown only when a worker died without saying why
+  (killed by a signal, or exited without writing its code)."""
 from __future__ import annotations
 
 import logging
 import os
+import signal
+import socket
 import sys
 import tempfile
+import time
 from pathlib import Path
 
-EXIT_FILE_VARIABLE = "PRETRAIN_EXIT_FILE"
-"""Where the trainer's first local rank writes its exit code (and error line) before exiting."""
+EXIT_DIR_VARIABLE = "PRETRAIN_EXIT_DIR"
+"""Where each rank writes its exit code and error line before exiting (a file named by its rank)."""
+FAILED_PEER_GRACE_S = 5.0
+"""After a worker failed, how long the others have to end by themselves (a rank that met the
+same error prints and records it in milliseconds) before they are killed."""
 
 
 class _Held(logging.Handler):
@@ -34,13 +50,23 @@ class _Held(logging.Handler):
 
 
 def write_exit_file(code: int, line: str = "") -> None:
-    """Called by the trainer's first local rank as it exits: its code for this launcher."""
-    path = os.environ.get(EXIT_FILE_VARIABLE)
-    if path and os.environ.get("LOCAL_RANK", "0") == "0":
-        Path(path).write_text(f"{code}\n{line}")
+    """Called by every rank of the trainer as it exits: its code and error line for this launcher."""
+    directory = os.environ.get(EXIT_DIR_VARIABLE)
+    if directory:
+        Path(directory, os.environ.get("RANK", "0")).write_text(f"{code}\n{line}")
+
+
+def read_exit_files(directory: Path) -> dict[int, tuple[int, str]]:
+    """Global rank -> (exit code, error line) of the ranks of this node that wrote theirs."""
+    reports = {}
+    for path in directory.iterdir():
+        code, line = path.read_text().split("\n", 1)
+        reports[int(path.name)] = (int(code), line)
+    return reports
 
 
 def main(argv: list[str] | None = None) -> int:
+    import torch.distributed.launcher.api as launcher
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
@@ -49,9 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     elastic = logging.getLogger("torch.distributed.elastic")
     elastic.addHandler(held)
     elastic.propagate = False
+    stopped: set[int] = set()
+    # torchrun builds its agent from this name and offers no other way to choose it
+    launcher.LocalElasticAgent = _agent_stopping_failed_groups(stopped)
     with tempfile.TemporaryDirectory(prefix="pretrain-torchrun-") as tmp:
-        exit_file = Path(tmp) / "exit_code"
-        os.environ[EXIT_FILE_VARIABLE] = str(exit_file)
+        os.environ[EXIT_DIR_VARIABLE] = tmp
         failure = None
         try:
             torchrun_main(argv)
@@ -60,24 +88,69 @@ def main(argv: list[str] | None = None) -> int:
             failure, torchrun_code = e, 1
         except SignalException as e:  # torchrun was signalled; its workers had the grace period
             failure, torchrun_code = e, 128 + int(e.sigval)
-        if exit_file.is_file():
-            return int(exit_file.read_text().split("\n", 1)[0])
-    if failure is not None:
-        # the trainer did not say how it ended: show what torchrun knows
-        for record in held.records:
-            print(held.format(record), file=sys.stderr)
-        print(f"error: torchrun: {_describe(failure)}", file=sys.stderr)
+        reports = read_exit_files(Path(tmp))
+    if failure is None:
+        return reports[min(reports)][0] if reports else 0
+    failed = {rank: report for rank, report in reports.items() if report[0] != 0}
+    if failed:
+        code, line = failed[min(failed)]
+        if line and reports.get(0, (0, ""))[1] != line:  # rank 0 prints its own line; this one it did not
+            print(line, file=sys.stderr)
+        return code
+    # the trainer did not say how it ended: show what torchrun knows
+    for record in held.records:
+        print(held.format(record), file=sys.stderr)
+    print(f"error: torchrun: {_describe(failure, stopped)}", file=sys.stderr)
     return torchrun_code
 
 
-def _describe(failure: Exception) -> str:
+def _agent_stopping_failed_groups(stopped: set[int]):
+    """torchrun's agent, stopping the rest of a node's workers within FAILED_PEER_GRACE_S of one
+    failing (see the module doc); the pids it had to kill go into `stopped`."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    class StopsFailedGroups(LocalElasticAgent):
+        def _monitor_workers(self, worker_group):
+            pids = list(self._pcontext.pids().values()) if self._pcontext is not None else []
+            if any(_exit_status(pid) not in (None, 0) for pid in pids):
+                deadline = time.monotonic() + FAILED_PEER_GRACE_S
+                while time.monotonic() < deadline and any(_exit_status(pid) is None for pid in pids):
+                    time.sleep(0.05)
+                for pid in pids:
+                    if _exit_status(pid) is None:
+                        stopped.add(pid)
+                        # each worker leads a session of its own: its data loader workers go too
+                        os.killpg(pid, signal.SIGKILL)
+            # torchrun's own monitoring then finds every worker ended and sends nothing
+            return super()._monitor_workers(worker_group)
+
+    return StopsFailedGroups
+
+
+def _exit_status(pid: int) -> int | None:
+    """How worker `pid` ended (its exit code, or minus the signal that killed it), None while it
+    runs. It is left for torchrun to collect (WNOWAIT); one torchrun collected already ended well
+    (torchrun stops the others as soon as it collects a failure)."""
+    try:
+        ended = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return 0
+    if ended is None:
+        return None
+    return ended.si_status if ended.si_code == os.CLD_EXITED else -ended.si_status
+
+
+def _describe(failure: Exception, stopped: set[int]) -> str:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     if isinstance(failure, ChildFailedError):
-        rank, first = failure.get_first_failure()
+        # the workers this launcher stopped did not fail of their own accord
+        causes = {rank: f for rank, f in failure.failures.items() if f.pid not in stopped} or failure.failures
+        rank = min(causes, key=lambda r: (causes[r].timestamp, r))
+        first = causes[rank]
         how = f"died of {first.signal_name()}" if first.exitcode < 0 else f"exited with code {first.exitcode}"
-        return (f"rank {rank} (pid {first.pid} on {first.hostname}) {how} without reporting an error; "
-                "its own output above says more")
+        return (f"rank {rank} (pid {first.pid} on {socket.gethostname()}) {how} without reporting an "
+                "error; its own output above says more")
     return f"stopped by signal {failure.sigval} before the trainers reported how they ended"
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import trainer_runs as runs
+from test_launch_scripts import TORCHRUN_SIGNALS
 from data_pipeline.prepare import default_num_proc
 from pretrain import checkpoint
 from pretrain.train import EXIT_PREEMPTED
@@ -361,3 +362,21 @@ def test_an_error_inside_a_torchrun_launch_is_the_last_line(source_run, tmp_path
     assert result.returncode == 1
     assert "checksum mismatch" in one_error_line(result.stderr)
     assert "ChildFailedError" not in result.stderr
+
+
+def test_one_rank_failing_alone_ends_the_launch_at_once_with_its_line(tmp_path):
+    """An error only rank 1 meets (tests/failing_rank_worker.py), while rank 0 waits for it inside
+    DeepSpeed's engine set-up, in C++, where no signal handler runs: the launcher stops rank 0
+    within seconds (torchrun alone would give it 30), prints rank 1's line last (rank 0, which
+    prints the errors, never saw it) and exits with rank 1's code."""
+    failed_at = tmp_path / "failed_at"
+    command = [runs.PYTHON, "-m", "pretrain.torchrun", "--nproc_per_node=2", "--standalone",
+               TORCHRUN_SIGNALS, "--shutdown-timeout=300", str(runs.REPO / "tests/failing_rank_worker.py"),
+               "1", str(failed_at), "--config", str(runs.base_config_file()), *ONE_PROCESS[:2],
+               f"output_root={tmp_path}"]
+    result = subprocess.run(command, cwd=runs.REPO, env=runs.child_env(), capture_output=True, text=True,
+                            timeout=300)
+    ended_within = time.time() - float(failed_at.read_text())
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert one_error_line(result.stderr) == "error: rank 1 fails on purpose"
+    assert ended_within < 15, f"the launch ended {ended_within:.0f} s after rank 1 failed"
