@@ -121,6 +121,25 @@ def test_flavor_table_lists_every_flavor(capsys):
     assert len(printed) == len(FLAVORS) + 1
     rows = {row[0]: row for row in flavor_rows()}
     assert set(rows) == set(FLAVORS)
-    name, family, context, total, non_embedding, flops = rows["gpt-124m"]
-    assert (family, context) == ("GPT", 1024) and abs(total / 124.4e6 - 1) < 0.01
+    name, family, context, vocab, total, non_embedding, flops = rows["gpt-124m"]
+    assert (family, context, vocab) == ("GPT", 1024, 50304) and abs(total / 124.4e6 - 1) < 0.01
     assert non_embedding < total and flops > 6 * non_embedding
+    # each line names the vocabulary its counts are at (gpt-tiny's own: 512)
+    assert printed[0].split()[3] == "vocab"
+    assert next(line for line in printed if line.startswith("gpt-tiny ")).split()[3] == "512"
+
+
+def test_flavor_table_at_the_trainers_vocabulary_of_a_dataset(capsys):
+    """--vocab 50257 (GPT-2's BPE): every flavor at the 50304 embedding rows the trainer pads it
+    to, with the parameters of the model it builds."""
+    from pretrain.config import load_config, model_config
+
+    main(["--vocab", "50257"])
+    printed = capsys.readouterr().out.splitlines()
+    assert {line.split()[3] for line in printed[1:]} == {"50304"}
+    rows = {row[0]: row for row in flavor_rows(50257)}
+    cfg = load_config("configs/tiny/gpt.yaml")
+    with torch.device("meta"):
+        trained = build(model_config(cfg, 50257))
+    assert rows["gpt-tiny"][3:6] == (50304, trained.num_params(), trained.num_params(non_embedding=True))
+    assert rows["gpt-tiny"][4] > {row[0]: row[4] for row in flavor_rows()}["gpt-tiny"]  # not the 512 of the flavor
