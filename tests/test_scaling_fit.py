@@ -59,6 +59,30 @@ def test_exact_fit_has_no_interval_and_too_few_points_is_an_error():
         fit_power_law([1e3, 1e4, 1e5], [3.0, -2.5, 2.2])
 
 
+def test_three_points_that_call_for_a_negative_E_are_not_called_exact(tmp_path, capsys):
+    """L = -1 + 5 N^-0.1 at three sizes: the clamped law (E = 0) misses the points, and the
+    fit command says so (notes, plot label) instead of calling it an exact fit."""
+    x = np.array([1e3, 1e4, 1e5])
+    loss = -1 + 5 * x**-0.1
+    fit = fit_power_law(x, loss)
+    assert fit.E_clamped and fit.law.E == 0
+    misses = np.sqrt(np.mean(((loss - fit.law(x)) / loss) ** 2))
+    assert fit.residual == pytest.approx(misses) and fit.residual > 0.01
+    exact = fit_power_law(x, [3.0, 2.5, 2.2])
+    assert not exact.E_clamped and exact.residual < 1e-5
+
+    for n, value in zip(x, loss):
+        _write_run(tmp_path / "runs", _record(f"gpt-{int(n)}", "gpt", int(n), 10**8, float(value)))
+    assert main(["fit", str(tmp_path / "runs"), "--out", str(tmp_path / "fit"), "--bootstrap", "0"]) == 0
+    rows = {r["law"]: r for r in csv.DictReader((tmp_path / "fit" / "fits.csv").open())}
+    for law in ("L(N)", "L(C)"):
+        notes = rows[law]["notes"]
+        assert float(rows[law]["E"]) == 0 and "exact" not in notes, notes
+        assert f"E clamped at 0 (the points call for a negative E): relative RMS residual {misses:.2%}" in notes
+    assert "exact" not in (tmp_path / "fit" / "fits.md").read_text()
+    assert "exact" not in capsys.readouterr().out
+
+
 def _record(name, family, n, tokens, loss, **kw):
     values = dict(run_name=name, family=family, flavor=f"{family}-tiny", params=n + 1000,
                   non_embedding_params=n, tokens_seen=tokens, train_flops=6.0 * n * tokens,

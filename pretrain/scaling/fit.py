@@ -56,6 +56,11 @@ class FitResult:
     """Bootstrap exponents (for comparing two fits' rates); empty when the CI is NaN."""
     at_bound: bool
     """True when the best exponent sits at an end of ALPHA_RANGE."""
+    E_clamped: bool
+    """True when the points call for a negative irreducible loss and E was pinned at 0 (fits
+    with E only): the law then misses the points, however few they are (see `residual`)."""
+    residual: float
+    """Relative RMS residual of the fit to all points: sqrt(mean(((L - L_hat) / L)^2))."""
 
 
 def fit_power_law(x, y, *, irreducible: bool = True, n_bootstrap: int = 1000,
@@ -75,12 +80,14 @@ def fit_power_law(x, y, *, irreducible: bool = True, n_bootstrap: int = 1000,
     x_ref = float(np.exp(np.mean(np.log(x))))
     E, a, alpha = _fit(x / x_ref, y, irreducible)
     law = PowerLaw(E=E, A=a * x_ref**alpha, alpha=alpha)
+    # E is 0 exactly only where `_solve_linear` pinned a negative E there
+    quality = dict(at_bound=_at_bound(alpha), E_clamped=irreducible and E == 0.0 and a > 0,
+                   residual=float(np.sqrt(np.mean(((y - law(x)) / y) ** 2))))
 
     names = ("E", "A", "alpha")
     if len(x) <= MIN_POINTS or n_bootstrap == 0:  # (every valid resample would be the data)
         nan = (float("nan"), float("nan"))
-        return FitResult(law, len(x), {k: nan for k in names}, ci_level, np.empty(0),
-                         _at_bound(alpha))
+        return FitResult(law, len(x), {k: nan for k in names}, ci_level, np.empty(0), **quality)
     rng = np.random.default_rng(seed)
     samples = []
     while len(samples) < n_bootstrap:
@@ -93,7 +100,7 @@ def fit_power_law(x, y, *, irreducible: bool = True, n_bootstrap: int = 1000,
     tail = 100 * (1 - ci_level) / 2
     lo, hi = np.percentile(samples_arr, [tail, 100 - tail], axis=0)
     ci = {k: (float(lo[i]), float(hi[i])) for i, k in enumerate(names)}
-    return FitResult(law, len(x), ci, ci_level, samples_arr[:, 2], _at_bound(alpha))
+    return FitResult(law, len(x), ci, ci_level, samples_arr[:, 2], **quality)
 
 
 def _at_bound(alpha: float) -> bool:

@@ -58,7 +58,8 @@ def laws_figure(analysis):
             xs = [p.x[law.symbol] for p in points]
             ax.scatter(xs, [p.loss for p in points], s=14, color=colors[group], alpha=0.35)
             fit = next(f for f in analysis.laws if f.group == group and f.law == law)
-            label = group if fit.full is None else f"{group}: alpha={fit.full.law.alpha:.3g}"
+            label = group if fit.full is None else f"{group}: alpha={fit.full.law.alpha:.3g}" + (
+                f" (E clamped at 0, residual {fit.full.residual:.1%})" if fit.full.E_clamped else "")
             ax.scatter([p.x[law.symbol] for p in fit.points], [p.loss for p in fit.points],
                        s=22, color=colors[group], label=label)
             if fit.full is not None:

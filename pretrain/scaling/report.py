@@ -194,6 +194,11 @@ def select_points(points: list[Point], law: Law) -> list[Point]:
     return sorted(chosen.values(), key=lambda p: p.x[law.symbol])
 
 
+EXACT_RESIDUAL = 1e-4
+"""A fit whose relative RMS residual is below this passes through its points (the exponent is
+searched on a grid, so a fit of three parameters to three points is exact to about 1e-6)."""
+
+
 def fit_groups(groups: dict[str, list[Point]], *, baselines: dict[str, str],
                n_bootstrap: int = 1000, seed: int = 0) -> list[LawFit]:
     """Every law for every group, then each group's rate relative to its baseline."""
@@ -220,8 +225,13 @@ def fit_groups(groups: dict[str, list[Point]], *, baselines: dict[str, str],
                 continue
             if fit.full.at_bound:
                 fit.notes.append("exponent at the search bound: the data do not pin it")
+            if fit.full.E_clamped:
+                fit.notes.append(f"E clamped at 0 (the points call for a negative E): relative RMS "
+                                 f"residual {fit.full.residual:.2%}")
             if fit.full.n_points == MIN_POINTS:
-                fit.notes.append("3 points: no bootstrap interval (E free: exact fit)")
+                how = ("E free: exact fit" if fit.full.residual < EXACT_RESIDUAL else
+                       "E clamped" if fit.full.E_clamped else f"relative RMS residual {fit.full.residual:.2%}")
+                fit.notes.append(f"3 points: no bootstrap interval ({how})")
     fitted = {(f.group, f.law.symbol): f for f in fits if f.loglog is not None}
     for fit in fits:
         base = fitted.get((baselines.get(fit.group), fit.law.symbol))
