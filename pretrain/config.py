@@ -450,6 +450,28 @@ def validate(cfg: RunConfig, world_size: int, has_gpu: bool) -> None:
     if not hasattr(model_config, "activation_checkpointing"):
         require(cfg.model.activation_checkpointing in (None, "off"), "model.activation_checkpointing",
                 f"flavor {cfg.model.flavor} has no activation checkpointing")
+    warmup = short_warmup(cfg)
+    if warmup:
+        import os
+        import sys
+
+        if int(os.environ.get("RANK", "0")) == 0:  # every rank validates; one line is enough
+            print(f"warning: {warmup}", file=sys.stderr, flush=True)
+
+
+def short_warmup(cfg: RunConfig) -> str | None:
+    """What is wrong with a run that ends before its warmup does (it never trains at
+    `optimizer.lr`), or None. A warning for a run as configured; an error for the runs a sweep
+    generates (`pretrain.scaling.sweep`)."""
+    steps, warmup = cfg.total_steps, cfg.schedule.warmup_steps
+    if steps >= warmup:
+        return None
+    budget = (f"train.max_steps={steps}" if steps == cfg.train.max_steps else
+              f"train.max_tokens={cfg.train.max_tokens} ({steps} step{'s' * (steps != 1)} of "
+              f"{cfg.tokens_per_step} tokens)")
+    return (f"{budget} ends the run before schedule.warmup_steps={warmup}: the learning rate peaks at "
+            f"{cfg.optimizer.lr * steps / warmup:.3g}, never reaching optimizer.lr={cfg.optimizer.lr:g}; "
+            f"set schedule.warmup_steps to at most {steps}")
 
 
 def _compile_backends() -> list[str]:

@@ -81,6 +81,13 @@ def test_tokens_per_parameter_budget_and_warmup_share(tmp_path):
     ({"families": {"gpt": {"flavor": "gpt-huge"}}}, "unknown model flavor 'gpt-huge'"),
     ({"sizes": {"w": {"n_embdd": 8}}}, "'n_embdd' is not a field"),
     ({"overrides": {"train.lrr": 1}}, "sw, gpt w32: unknown key train.lrr"),
+    # every run is checked before any starts: here the second budget of each cell is too small
+    ({"tokens": {"fixed": [1e5, 10]}}, "sweep sw, run sw-gpt-w32-t10: the budget of 10 tokens is less than one "
+                                       "optimizer step (512 tokens: train.global_batch_size 16 x data.seq_len 32)"),
+    ({"tokens": {"per_param": [20, 0.001]}}, "run sw-gpt-w32-x0.001: the budget of 25 tokens is less than one"),
+    ({"overrides": {"train.global_batch_size": 16, "schedule.warmup_steps": 300}},
+     "sweep sw, run sw-gpt-w32-t100k: train.max_tokens=100000 (196 steps of 512 tokens) ends the run before "
+     "schedule.warmup_steps=300"),
 ])
 def test_bad_sweeps_are_one_line_errors(tmp_path, change, message, capsys):
     path = _sweep_file(tmp_path, **change)

@@ -310,6 +310,7 @@ def expand(sweep: Sweep, datasets: str = "peek") -> list[RunSpec]:
                     cfg.train.max_tokens = max_tokens
                     if sweep.warmup_fraction is not None:
                         cfg.schedule.warmup_steps = round(sweep.warmup_fraction * cfg.total_steps)
+                    _check_run_length(cfg, f"sweep {sweep.name}, run {cfg.run_name}")
                     runs.append(RunSpec(cfg.run_name, group, size, budget, n_params, max_tokens,
                                         to_dict(cfg), cell, values, flops_budget,
                                         flops_per_token))
@@ -328,6 +329,22 @@ def _run_config(base: str, overrides: dict[str, Any], where: str):
     except ConfigError as err:
         # The sweep's values reach the trainer as overrides, which it calls "command line".
         raise ValueError(f"{where}: {str(err).removeprefix('command line: ')}") from None
+
+
+def _check_run_length(cfg, where: str) -> None:
+    """Refuse a generated run that would not train as asked: a token budget below one optimizer
+    step (the trainer would still take a whole step), or one that ends before its warmup does
+    (the learning rate would never peak). `expand` checks every run before any starts."""
+    from pretrain.config import short_warmup
+
+    if cfg.train.max_tokens < cfg.tokens_per_step:
+        raise ValueError(f"{where}: the budget of {cfg.train.max_tokens:,} tokens is less than one optimizer "
+                         f"step ({cfg.tokens_per_step:,} tokens: train.global_batch_size "
+                         f"{cfg.train.global_batch_size} x data.seq_len {cfg.data.seq_len}); raise the "
+                         "budget or lower the global batch")
+    warmup = short_warmup(cfg)
+    if warmup:
+        raise ValueError(f"{where}: {warmup}, or set the sweep's warmup_fraction")
 
 
 def _budgets(sweep: Sweep, cfg, n_params: int, flops_per_token: float | None, where: str
