@@ -12,8 +12,14 @@ flavor and the full model config (`load` below does both steps).
 `--format hf` writes a directory that `AutoModelForCausalLM.from_pretrained` and
 `AutoTokenizer.from_pretrained` load (see `pretrain.hf.export`): native GPT2LMHeadModel /
 LlamaForCausalLM for gpt / transformer_pp, the model's own code (`trust_remote_code=True`) for
-gpt_rec, nrgpt and ebt, with the tokenizer and a model card. An existing `--out` is replaced
-only with `--overwrite`; either output appears only when complete."""
+gpt_rec, nrgpt and ebt, with the tokenizer and a model card. Either output appears only when complete.
+
+An export never deletes what it did not write: `--overwrite` replaces only a previous export
+(a file with this exporter's metadata, or a directory whose training_run.json lists every file
+in it), by a swap once the new one is complete. An `--out` that is or holds the source, is a
+run directory or lies in a run's ckpt/ or tb/, or exists as anything but a previous export (or
+an empty directory), is refused. `--out` may lie in the source's run directory otherwise
+(e.g. RUN/export): it is a new entry there, and the run's files are not touched."""
 from __future__ import annotations
 
 import json
@@ -29,25 +35,27 @@ from safetensors.torch import save_file
 
 from pretrain.cli import ArgumentParser, run_command
 from pretrain.fileio import atomic_write
-from pretrain.hf.export import ExportError, check_out, export_hf
+from pretrain.hf.export import check_out, export_hf, write_failure
 from pretrain.trained import load_trained
 
 
-def export(source: str | Path, out: str | Path) -> Path:
+def export(source: str | Path, out: str | Path, overwrite: bool = False) -> Path:
     """Write the newest complete checkpoint under `source` (a run directory, its `ckpt/`, or one
-    checkpoint) to `out`; returns the checkpoint exported. The file appears only when complete."""
+    checkpoint) to `out`; returns the checkpoint exported. The file appears only when complete,
+    and replaces only a file exported before, with `overwrite` (see `check_out`)."""
     trained = load_trained(source)
     tag_dir = trained.source
+    out = Path(out)
+    check_out(out, overwrite, tag_dir, directory=False)
     tensors = {name: t.detach().contiguous().clone() for name, t in trained.model.state_dict().items()}
     metadata = {"flavor": trained.flavor, "model_config": json.dumps(asdict(trained.model_config)),
                 "run_config": json.dumps(trained.run_config), "checkpoint": tag_dir.name,
                 "step": str(trained.step)}
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(out, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
-    except SafetensorError as e:  # an I/O error, without the file's name
-        raise ExportError(f"{out}: cannot be written ({e})") from None
+    except (OSError, SafetensorError) as e:  # the temporary file's name would mean nothing to the user
+        raise write_failure(out, e) from None
     return tag_dir
 
 
@@ -62,18 +70,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="output .safetensors file, or directory for --format hf")
     parser.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
                         help="one safetensors file (default) or a Hugging Face directory")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    parser.add_argument("--overwrite", action="store_true", help="replace a previous export at --out")
     args = parser.parse_args(argv)
     out = Path(args.out)
     try:
-        check_out(out, args.overwrite)
+        # before the checkpoint is read (a ZeRO merge takes a while); the export checks again
+        # against the checkpoint it found
+        check_out(out, args.overwrite, args.run_dir, directory=args.format == "hf")
         if args.format == "hf":
             command = shlex.join(["python", "-m", "pretrain.export", *(sys.argv[1:] if argv is None else argv)])
             trained = load_trained(args.run_dir)
             export_hf(trained, out, overwrite=args.overwrite, command=command)
             print(f"wrote {out} from {trained.source} ({trained.family}, Hugging Face format)")
             return 0
-        tag_dir = export(args.run_dir, out)
+        tag_dir = export(args.run_dir, out, args.overwrite)
     except (ValueError, OSError) as e:  # LoadError, ExportError, bad model configs; disk full
         print(f"error: {e}", file=sys.stderr)
         return 2

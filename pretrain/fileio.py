@@ -50,7 +50,12 @@ def atomic_directory(path: str | Path) -> Iterator[Path]:
         yield staging
         if path.exists():
             os.rename(path, retired)  # a rename cannot replace a non-empty directory
-        os.rename(staging, path)
+        try:
+            os.rename(staging, path)
+        except OSError:
+            if retired.exists():  # never neither: the old one goes back
+                os.rename(retired, path)
+            raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
         if retired.is_dir():

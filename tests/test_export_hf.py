@@ -246,14 +246,14 @@ def test_model_card_describes_the_run(matrix, tmp_path):
     run_dir = tmp_path / "gpt-run"
     shutil.copytree(runs.run_dir("gpt-z2"), run_dir)
     summary = json.loads((run_dir / "summary.json").read_text())
-    summary["downstream"] = {"hellaswag": {"acc_norm": 0.2512}}
+    summary["downstream"] = {"downstream/hellaswag/acc_norm": 0.2512}  # as eval.downstream writes it
     (run_dir / "summary.json").write_text(json.dumps(summary))
     out = tmp_path / "gpt-hf"
     assert export.main([str(run_dir), "--format", "hf", "--out", str(out)]) == 0
     card = (out / "README.md").read_text()
     model = load_trained(out).model
     for fact in ("`gpt`", "gpt-tiny", f"{model.num_params():,}", f"{summary['tokens_seen']:,}",
-                 f"{summary['final_val_loss']:.4f}", "GPT2LMHeadModel", "hellaswag", "0.2512",
+                 f"{summary['final_val_loss']:.4f}", "GPT2LMHeadModel", "| hellaswag | acc_norm | 0.2512 |",
                  f"python -m pretrain.export {run_dir} --format hf --out {out}"):
         assert fact in card, fact
     assert json.loads((out / "training_run.json").read_text())["step"] == runs.N_STEPS
@@ -383,14 +383,18 @@ def test_export_bad_input_is_one_line_and_writes_nothing(run_exports, tmp_path, 
     occupied = tmp_path / "occupied"
     occupied.mkdir()
     (occupied / "notes.txt").write_text("mine")
-    fails([run, "--format", "hf", "--out", str(occupied)], "pass --overwrite")
-    assert [p.name for p in occupied.iterdir()] == ["notes.txt"]
-    (tmp_path / "model.safetensors").write_text("mine")
-    fails([run, "--out", str(tmp_path / "model.safetensors")], "pass --overwrite")
-    assert (tmp_path / "model.safetensors").read_text() == "mine"
+    for overwrite in ([], ["--overwrite"]):  # what the export did not write, it never replaces
+        fails([run, "--format", "hf", "--out", str(occupied), *overwrite], "a directory that pretrain.export did not write")
+        assert [p.name for p in occupied.iterdir()] == ["notes.txt"]
+        (tmp_path / "model.safetensors").write_text("mine")
+        fails([run, "--out", str(tmp_path / "model.safetensors"), *overwrite], "a file that pretrain.export did not write")
+        assert (tmp_path / "model.safetensors").read_text() == "mine"
 
-    assert export.main([run, "--format", "hf", "--out", str(occupied), "--overwrite"]) == 0
-    assert not (occupied / "notes.txt").exists() and (occupied / "modeling_nrgpt.py").is_file()
+    previous = tmp_path / "previous"
+    assert export.main([run, "--format", "hf", "--out", str(previous)]) == 0
+    fails([run, "--format", "hf", "--out", str(previous)], "holds a previous export; pass --overwrite")
+    assert export.main([run, "--format", "hf", "--out", str(previous), "--overwrite"]) == 0
+    assert (previous / "modeling_nrgpt.py").is_file()
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no staging left
 
 

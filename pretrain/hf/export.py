@@ -16,12 +16,14 @@ import ast
 import dataclasses
 import importlib.util
 import json
+import os
 import re
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from pretrain.fileio import atomic_directory, markdown_table, read_json
@@ -47,21 +49,86 @@ class ExportError(ValueError):
     """The model cannot be exported as asked; the message is one line."""
 
 
-def check_out(out: Path, overwrite: bool) -> None:
-    """Refuse an `out` that holds anything (a non-empty directory, or a file) unless `overwrite`,
-    and one that cannot be created (below a file)."""
+RUN_ENTRIES = ("ckpt", "tb", "config.yaml", SUMMARY_FILE)
+"""What the trainer writes into a run directory: a directory holding any of them is a run."""
+TRAINER_DIRS = ("ckpt", "tb")
+"""The parts of a run directory that the trainer rewrites and prunes: no export goes inside."""
+
+
+def is_run_directory(path: Path) -> bool:
+    return path.is_dir() and any((path / name).exists() for name in RUN_ENTRIES)
+
+
+def check_out(out: Path, overwrite: bool, source: str | Path, directory: bool) -> None:
+    """Refuse an `out` that the export could harm, in one line. An export replaces nothing but
+    a previous export (with `overwrite`): a Hugging Face directory (`directory`) that lists
+    every file it holds in its training_run.json, or a safetensors file with the metadata
+    pretrain.export writes. So `out` may not be, or hold, the `source` (or its run directory),
+    be a run directory or lie in a run's ckpt/ or tb/, and an existing `out` must be such an
+    export or an empty directory. Inside a run directory otherwise (e.g. RUN/export) an export
+    is just a new entry: the run's own files are never touched."""
     nearest = next(p for p in out.absolute().parents if p.exists())
     if not nearest.is_dir():
         raise ExportError(f"--out {out}: {nearest} is not a directory")
-    if out.exists() and not overwrite and (out.is_file() or any(out.iterdir())):
-        raise ExportError(f"--out {out} already holds {'a file' if out.is_file() else 'files'}; "
-                          "pass --overwrite to replace it")
+    target, source = out.resolve(), Path(source).resolve()
+    if target == source or target in source.parents:
+        raise ExportError(f"--out {out} {'is' if target == source else 'holds'} the source {source}; "
+                          "choose a new path for the export")
+    inside = next((p for p in target.parents if p.name in TRAINER_DIRS and is_run_directory(p.parent)), None)
+    if inside is not None:
+        raise ExportError(f"--out {out} lies in {inside}, which the training run manages; choose a "
+                          "path outside it")
+    if is_run_directory(target):
+        raise ExportError(f"--out {out} is a run directory; choose a new path for the export")
+    if not out.exists() or (directory and out.is_dir() and not any(out.iterdir())):
+        return
+    refused = _not_a_previous_export(out, directory)
+    if refused:
+        raise ExportError(f"--out {out} {refused}; choose a new path for the export")
+    if not overwrite:
+        raise ExportError(f"--out {out} holds a previous export; pass --overwrite to replace it")
+
+
+def _not_a_previous_export(out: Path, directory: bool) -> str | None:
+    """Why the existing `out` is not a previous export that the export may replace, or None."""
+    if not directory:
+        if out.is_dir():
+            return "is a directory (the safetensors format writes one file; --format hf writes a directory)"
+        try:
+            with safe_open(str(out), framework="pt") as f:
+                written_here = "flavor" in (f.metadata() or {})  # what `load_trained` checks
+        except (SafetensorError, OSError):
+            written_here = False
+        return None if written_here else "is a file that pretrain.export did not write"
+    if not out.is_dir():
+        return "is a file, not a directory that pretrain.export wrote"
+    try:
+        written = set(json.loads((out / RUN_FILE).read_text())["files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"is a directory that pretrain.export did not write (no readable {RUN_FILE} listing its files)"
+    added = sorted(p.name for p in out.iterdir() if p.name not in written)
+    if added:
+        return (f"is an export holding files that pretrain.export did not write ({', '.join(added[:3])}"
+                f"{', ...' if len(added) > 3 else ''}), which replacing it would delete")
+    return None
+
+
+def write_failure(out: Path, error: Exception) -> ExportError:
+    """The line for an export that could not be written: what failed, in words, at the user's
+    `out` (the error itself names the staging path, or, from safetensors, no path at all)."""
+    if isinstance(error, OSError) and error.strerror:
+        reason = error.strerror
+    else:  # safetensors: "Error while serializing: I/O error: No space left on device (os error 28)"
+        code = re.search(r"(?:os error |code: )(\d+)", str(error))
+        reason = os.strerror(int(code.group(1))) if code else str(error)
+    return ExportError(f"--out {out}: the export could not be written ({reason}); {out} was left as it was")
 
 
 def export_hf(trained: TrainedModel, out: str | Path, overwrite: bool = False, command: str = "") -> Path:
-    """Write the Hugging Face directory `out` (it appears only when complete); returns it."""
+    """Write the Hugging Face directory `out` (it appears only when complete, replacing a
+    previous export only with `overwrite`: see `check_out`); returns it."""
     out = Path(out)
-    check_out(out, overwrite)
+    check_out(out, overwrite, trained.source, directory=True)
     if trained.manifest is None:
         raise ExportError(f"{trained.source}: the training data's manifest was not found, so the "
                           "export would have no tokenizer (is the run's data.path still there?)")
@@ -72,18 +139,23 @@ def export_hf(trained: TrainedModel, out: str | Path, overwrite: bool = False, c
     state = {k: t for k, t in trained.model.state_dict().items() if k in kept}
     reason = native.not_native_reason(model_config)
     eot_id = trained.manifest["eot_id"]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_directory(out) as staging:
-        if reason is None:
-            save_native(state, model_config, staging, eot_id)
-        else:
-            save_with_code(state, model_config, trained.flavor, staging, eot_id)
-        save_tokenizer(trained.manifest, staging, model_config.block_size)
-        run = {"format": "native" if reason is None else "code", "family": family_name(model_config),
-               "flavor": trained.flavor, "model_config": dataclasses.asdict(model_config), "step": trained.step,
-               "checkpoint": str(trained.source), "run_config": trained.run_config, "manifest": trained.manifest}
-        (staging / RUN_FILE).write_text(json.dumps(run, indent=2) + "\n")
-        (staging / "README.md").write_text(model_card(trained, model_config, reason, out, command))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_directory(out) as staging:
+            if reason is None:
+                save_native(state, model_config, staging, eot_id)
+            else:
+                save_with_code(state, model_config, trained.flavor, staging, eot_id)
+            save_tokenizer(trained.manifest, staging, model_config.block_size)
+            (staging / "README.md").write_text(model_card(trained, model_config, reason, out, command))
+            files = sorted([p.name for p in staging.iterdir()] + [RUN_FILE])  # what --overwrite may replace
+            run = {"format": "native" if reason is None else "code", "family": family_name(model_config),
+                   "flavor": trained.flavor, "model_config": dataclasses.asdict(model_config), "step": trained.step,
+                   "checkpoint": str(trained.source), "run_config": trained.run_config,
+                   "manifest": trained.manifest, "files": files}
+            (staging / RUN_FILE).write_text(json.dumps(run, indent=2) + "\n")
+    except (OSError, SafetensorError) as e:
+        raise write_failure(out, e) from None
     return out
 
 
@@ -251,6 +323,18 @@ def _run_summary(trained: TrainedModel) -> dict | None:
     return summary if summary.get("steps") == trained.step else None
 
 
+def _evaluation(trained: TrainedModel) -> dict | None:
+    """The results `python -m pretrain.evaluate` wrote for the exported weights where it writes
+    them by default (RUN_DIR/downstream/<tag>.json for a run's checkpoint), if any."""
+    from pretrain.evaluate import results_file
+
+    file = results_file(trained.source)
+    if not file.is_file():
+        return None
+    report = read_json(file, ExportError)
+    return report if report.get("step") == trained.step and report.get("rows") else None
+
+
 def model_card(trained: TrainedModel, model_config: Any, not_native: str | None, out: Path, command: str) -> str:
     """README.md of the export: what the model is, what it was trained on, how it did."""
     family, run, model = family_name(model_config), trained.run_config, trained.model
@@ -278,7 +362,7 @@ def model_card(trained: TrainedModel, model_config: Any, not_native: str | None,
     if summary.get("think_losses"):
         rows.append({"": "EBT val loss after 1..N think steps",
                      "value": " ".join(f"{x:.4f}" for x in summary["think_losses"])})
-    downstream = {k: v for k, v in summary.items() if k.startswith("downstream")}
+    downstream = summary.get("downstream") or {}  # `downstream/<task>/<metric>` -> value
     remote = not_native is not None
     load = ("from transformers import AutoModelForCausalLM, AutoTokenizer\n"
             f"model = AutoModelForCausalLM.from_pretrained(\"{out.name}\"{', trust_remote_code=True' if remote else ''})\n"
@@ -286,7 +370,9 @@ def model_card(trained: TrainedModel, model_config: Any, not_native: str | None,
     architecture = (f"Native `{native.ARCHITECTURES[native.HF_MODEL_TYPES[family]]}`." if not remote else
                     f"Custom code (`modeling_{family}.py`, `modeling.py` and the model's own modules in this "
                     f"directory; they need only torch and transformers): {not_native}. `generate()` "
-                    "recomputes the whole context for each token"
+                    "decodes with the model's own cache: each new token runs against the cached keys and "
+                    "values, and past the context length the last block_size tokens are recomputed "
+                    "(`use_cache=False` recomputes the context for every token)"
                     + (f"; each token is predicted by {model_config.n_steps} descent steps (thinking)"
                        if family == "ebt" else "") + ".")
     lines = [
@@ -298,8 +384,23 @@ def model_card(trained: TrainedModel, model_config: Any, not_native: str | None,
         "The tokenizer gives the training data's token ids. The pipeline encodes `<|endoftext|>` inside "
         "text as ordinary text; pass `split_special_tokens=True` to the tokenizer for the same ids there.", "",
     ]
+    evaluated = _evaluation(trained)
+    if evaluated or downstream:
+        lines += ["## Downstream results", ""]
+    if evaluated:
+        from pretrain.downstream.harness import Row, table
+
+        limit = evaluated.get("limit")
+        lines += [f"`python -m pretrain.evaluate` at step {evaluated['step']:,} (this checkpoint), "
+                  f"{'the first ' + str(limit) if limit else 'all'} documents of each task, "
+                  f"{evaluated.get('dtype', 'fp32')}; docs: documents scored.", "",
+                  table([Row(**row) for row in evaluated["rows"]])]
     if downstream:
-        lines += ["## Downstream results", "", "```json", json.dumps(downstream, indent=2, sort_keys=True), "```", ""]
+        limit = run.get("eval", {}).get("downstream", {}).get("limit")
+        lines += [f"During training (`eval.downstream`) at step {trained.step:,}, the first {limit} documents of "
+                  "each task:", "", markdown_table([{"task": tag.split("/")[1], "metric": tag.split("/")[2],
+                                                     "value": f"{value:.4f}", "docs": limit}
+                                                    for tag, value in sorted(downstream.items())])]
     lines += ["## Provenance", "",
               f"Checkpoint `{trained.source}`; `training_run.json` holds the run's resolved config, the model "
               "config and the data manifest. Trained with `python -m pretrain.train` on that config.", ""]
