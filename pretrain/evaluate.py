@@ -191,6 +191,15 @@ def _run_dir(checkpoint_or_file: Path) -> Path | None:
     return None
 
 
+def results_file(checkpoint_or_file: Path) -> Path:
+    """Where the command writes its results JSON without --out: RUN_DIR/downstream/<tag>.json
+    for a run's checkpoint (the model card of an export shows it), next to an export otherwise."""
+    run_dir = _run_dir(checkpoint_or_file)
+    if run_dir is None:
+        return checkpoint_or_file.with_suffix(".downstream.json")
+    return run_dir / "downstream" / f"{checkpoint_or_file.name}.json"
+
+
 def _load_text_model(source: Path, device, dtype: str):
     from pretrain.downstream.adapter import TEXT_TOKENIZERS
     from pretrain.trained import LoadError, load_trained
@@ -262,8 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     if world_size > 1 and dist.get_rank() != 0:
         return 0
     run_dir = _run_dir(trained.source)
-    out = Path(args.out) if args.out else (run_dir / "downstream" / f"{trained.source.name}.json" if run_dir
-                                           else trained.source.with_suffix(".downstream.json"))
+    out = Path(args.out) if args.out else results_file(trained.source)
     report = {"source": str(trained.source), "flavor": trained.flavor, "family": trained.family,
               "step": trained.step, "tasks": names, "limit": args.limit, "dtype": args.dtype,
               "world_size": world_size, "rows": harness.rows_as_dicts(rows)}
