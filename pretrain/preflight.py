@@ -5,7 +5,9 @@ one process, before a launcher starts the ranks (`launch/torchrun.sh`)."""
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 from pretrain.checkpoint import CheckpointManager
@@ -34,15 +36,38 @@ def preflight(cfg: RunConfig, checkpoints: CheckpointManager, checking_only: boo
 
 
 def check_output_root(cfg: RunConfig) -> None:
-    """The run directory can be created (or exists as a directory) and written."""
+    """The run directory can be created (or exists as a directory) and written, and so can its
+    parent (the run's lock goes there). Tried for real, since permission bits do not tell: root
+    passes os.access on /proc and on a full file system. A probe directory, with the missing part
+    of the run directory's path inside it, is made where the first missing directory would go, and
+    one inside an existing run directory; both are removed again. Their names are unique (every
+    rank checks at once), so no rank removes a directory another rank's check or the run uses."""
     target = cfg.run_dir
     existing = next(p for p in [target, *target.parents] if p.exists() or p == Path(p.anchor))
     key = "run_name" if existing == target else "output_root"
     if not existing.is_dir():
         raise ConfigError(f"{key}: {existing} is not a directory, so {target} cannot be the run directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"{key}: {existing} is not writable, so the run directory {target} cannot "
-                          "be written; choose another output_root")
+    base = target.parent if existing == target else existing
+    try:
+        _probe(base, target.relative_to(base))
+    except OSError as e:
+        raise ConfigError(f"output_root: cannot create directories in {base} ({e.strerror or e}), so the "
+                          f"run directory {target} cannot be made there; choose another output_root") from None
+    if existing == target:
+        try:
+            _probe(target, Path())
+        except OSError as e:
+            raise ConfigError(f"run_name: cannot create anything in the run directory {target} "
+                              f"({e.strerror or e}); choose another run_name or output_root") from None
+
+
+def _probe(directory: Path, inner: Path) -> None:
+    """Make a uniquely named directory in `directory`, `inner` inside it, and remove them again."""
+    probe = Path(tempfile.mkdtemp(prefix=".write-check-", dir=directory))
+    try:
+        (probe / inner).mkdir(parents=True, exist_ok=True)
+    finally:
+        shutil.rmtree(probe, ignore_errors=True)
 
 
 def check_dataset(cfg: RunConfig, manifest: dict) -> None:

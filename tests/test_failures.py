@@ -380,3 +380,63 @@ def test_one_rank_failing_alone_ends_the_launch_at_once_with_its_line(tmp_path):
     assert result.returncode == 2, result.stderr[-3000:]
     assert one_error_line(result.stderr) == "error: rank 1 fails on purpose"
     assert ended_within < 15, f"the launch ended {ended_within:.0f} s after rank 1 failed"
+
+
+UNSHARE = ["unshare", "--mount"] if os.geteuid() == 0 else ["unshare", "--user", "--map-root-user", "--mount"]
+"""A mount namespace of its own (with a user namespace where the tests do not run as root)."""
+
+
+@pytest.fixture(scope="session")
+def mounting(tmp_path_factory) -> None:
+    """Skips where no tmpfs can be mounted in a mount namespace of one's own."""
+    probe = tmp_path_factory.mktemp("mount-probe")
+    tried = subprocess.run([*UNSHARE, "sh", "-c", 'mount -t tmpfs -o size=64k tmpfs "$0"', str(probe)],
+                           capture_output=True, text=True)
+    if tried.returncode != 0:
+        pytest.skip(f"cannot mount a small file system here: {' '.join(tried.stderr.split())}")
+
+
+def in_small_filesystem(directory: Path, options: str, command: list[str], copy_to: Path | None = None,
+                        timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run `command` with a tmpfs mounted (mount `options`, e.g. size=100k) on `directory`, in a
+    mount namespace of its own: a real small file system, gone with the command, whatever happens
+    to the test. What the command left there is copied to `copy_to` first."""
+    script = ('mount -t tmpfs -o "$1" tmpfs "$2" || exit 99; small=$2 copy_to=$3; shift 3; "$@"; code=$?; '
+              '[ -z "$copy_to" ] || cp -a "$small/." "$copy_to"; exit $code')
+    directory.mkdir(exist_ok=True)
+    return subprocess.run([*UNSHARE, "sh", "-c", script, "sh", options, str(directory), str(copy_to or ""),
+                           *command], cwd=runs.REPO, env=runs.child_env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_an_output_root_that_cannot_be_created_is_refused_before_any_work():
+    """/proc is writable for root by its permission bits, but nothing can be created in it."""
+    for command in (["--check"], []):  # the launcher's check, and a run on its own
+        result = runs.train_here([*command, *ONE_PROCESS, "output_root=/proc/nope"])
+        assert result.returncode == 2, result.stderr[-3000:]
+        assert one_error_line(result.stderr) == (
+            "error: output_root: cannot create directories in /proc (No such file or directory), so the run "
+            "directory /proc/nope/base cannot be made there; choose another output_root")
+
+
+def test_an_output_root_on_a_full_file_system_is_refused_by_the_check(tmp_path, mounting):
+    """A file system with no room for one more directory: its permission bits say writable."""
+    small = tmp_path / "small"
+    result = in_small_filesystem(small, "size=64k,nr_inodes=1", [
+        runs.PYTHON, "-m", "pretrain.train", "--check", "--config", str(runs.base_config_file()),
+        f"output_root={small}/runs", "run_name=full"])
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert one_error_line(result.stderr) == (
+        f"error: output_root: cannot create directories in {small} (No space left on device), so the run "
+        f"directory {small}/runs/full cannot be made there; choose another output_root")
+
+
+def test_the_output_root_check_leaves_nothing_behind(tmp_path):
+    from pretrain.config import RunConfig
+    from pretrain.preflight import check_output_root
+
+    check_output_root(RunConfig(output_root=str(tmp_path / "a" / "b"), run_name="run"))
+    (tmp_path / "run").mkdir()
+    check_output_root(RunConfig(output_root=str(tmp_path), run_name="run"))
+    assert [p.name for p in tmp_path.iterdir()] == ["run"] and not any((tmp_path / "run").iterdir())
+
