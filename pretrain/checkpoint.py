@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import errno
 import io
 import json
 import os
@@ -36,6 +37,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -346,6 +348,116 @@ def _prune(ckpt_dir: Path, keep: int) -> None:
             shutil.rmtree(tag_dir, ignore_errors=True)
 
 
+@dataclass
+class WriteFailure:
+    """The first write of a checkpoint that failed on a rank."""
+
+    path: str
+    reason: str
+    """The operating system's words for it (or torch's, when its writer hides the OS error)."""
+    out_of_space: bool
+
+
+class _RecordedWrites:
+    """DeepSpeed's checkpoint engine for one save, which does not raise: the first failed write
+    is kept in `failure` and later writes are skipped. DeepSpeed's save_checkpoint runs
+    collectives between its writes (the tag check, barriers), so a rank that raised out of it
+    would leave the others waiting for it; the ranks compare their failures once it returns.
+    `bytes` counts what every file takes, written or not: the space the checkpoint needs."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.failure: WriteFailure | None = None
+        self.bytes = 0
+
+    def __getattr__(self, name):  # the rest of the checkpoint engine's interface, unchanged
+        return getattr(self.inner, name)
+
+    def save(self, state_dict, path) -> None:
+        self.write(path, lambda: self.inner.save(state_dict, path), state_dict)
+
+    def makedirs(self, path, exist_ok=False) -> None:
+        self.write(path, lambda: self.inner.makedirs(path, exist_ok=exist_ok))
+
+    def write(self, path, attempt, state=None) -> WriteFailure | None:
+        """attempt() writes `path` (with torch.save of `state`, if given, for the byte count),
+        unless an earlier write failed; returns the failure, if any."""
+        error = None
+        if self.failure is None:
+            try:
+                attempt()
+                self.bytes += os.path.getsize(path) if state is not None else 0
+                return None
+            # torch.save to a path reports a full disk as a RuntimeError, without the OS error
+            except (OSError, RuntimeError) as e:
+                error = e
+        size = _saved_size(state) if state is not None else 0
+        self.bytes += size
+        if error is not None:
+            self.failure = _write_failure(error, Path(path), size)
+        return self.failure
+
+
+@contextlib.contextmanager
+def _recorded_writes(engine) -> Iterator[_RecordedWrites]:
+    """Route the engine's checkpoint writes through a _RecordedWrites for the block. Rank 0 also
+    copies DeepSpeed's recovery scripts, with shutil rather than the checkpoint engine."""
+    writes = _RecordedWrites(engine.checkpoint_engine)
+    copy_scripts = engine._copy_recovery_script
+    engine.checkpoint_engine = writes
+    engine._copy_recovery_script = lambda save_path: writes.write(save_path, lambda: copy_scripts(save_path))
+    try:
+        yield writes
+    finally:
+        engine.checkpoint_engine = writes.inner
+        del engine._copy_recovery_script  # the class's method again
+
+
+def _write_failure(error: Exception, path: Path, needed: int) -> WriteFailure:
+    if isinstance(error, OSError) and error.strerror:
+        return WriteFailure(str(path), error.strerror, error.errno in (errno.ENOSPC, errno.EDQUOT))
+    # torch's writer lost the OS error: less room left than the file needs is a full disk
+    if shutil.disk_usage(path.parent).free < needed:
+        return WriteFailure(str(path), os.strerror(errno.ENOSPC), True)
+    return WriteFailure(str(path), " ".join(str(error).split()), False)
+
+
+class _ByteCounter:
+    """A file object that only counts what is written to it."""
+
+    def __init__(self):
+        self.count = 0
+
+    def write(self, data) -> int:
+        self.count += len(data)
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+
+def _saved_size(state) -> int:
+    """The bytes torch.save writes for `state` (serialized without being stored)."""
+    counter = _ByteCounter()
+    torch.save(state, counter)
+    return counter.count
+
+
+def _mount_point(path: Path) -> Path:
+    """The mount point of the file system holding `path` (which exists)."""
+    path = path.resolve()
+    while not os.path.ismount(path):
+        path = path.parent
+    return path
+
+
+def _amount(size: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if size >= scale:
+            return f"{size / scale:.1f} {unit} ({size:,} bytes)"
+    return f"{size:,} bytes"
+
+
 def read_rank_state(tag_dir: Path, rank: int) -> dict | None:
     """The state `rank` saved in `tag_dir` (RNG states, buffers), None if it saved none."""
     path = rank_state_file(tag_dir, rank)
@@ -505,25 +617,58 @@ class CheckpointManager:
     def save(self, engine, step: int, client_state: dict, model_config: dict, data: dict | None) -> Path:
         """Write checkpoint `step` on every rank (with this rank's buffers and RNG streams), then
         record every file's size and checksum and mark it complete, point `latest` at it and
-        delete checkpoints beyond the newest `checkpoint.keep`. Collective: every rank calls it."""
+        delete checkpoints beyond the newest `checkpoint.keep`. Collective: every rank calls it.
+        A write that fails on any rank (a full disk) fails the save on every rank alike: the
+        partial checkpoint is removed, the previous one stays the newest (and `latest`), and
+        every rank raises the same CheckpointError, naming the file system and the space needed."""
         tag_dir = self.ckpt_dir / tag_for(step)
         if self.rank == 0 and tag_dir.exists():  # left over by a run killed while writing this step
             shutil.rmtree(tag_dir)
         dist.barrier()
-        engine.save_checkpoint(str(self.ckpt_dir), tag=tag_dir.name, client_state=client_state,
-                               save_latest=False)
-        rank_state = {"buffers": {name: b.detach().cpu().clone() for name, b in engine.module.named_buffers()},
-                      "rng": capture_rng()}
-        atomic_write(rank_state_file(tag_dir, self.rank), lambda tmp: torch.save(rank_state, tmp))
-        dist.barrier()
-        files = record_files(tag_dir)
+        with _recorded_writes(engine) as writes:
+            engine.save_checkpoint(str(self.ckpt_dir), tag=tag_dir.name, client_state=client_state,
+                                   save_latest=False)
+            rank_state = {"buffers": {name: b.detach().cpu().clone() for name, b in engine.module.named_buffers()},
+                          "rng": capture_rng()}
+            path = rank_state_file(tag_dir, self.rank)
+            writes.write(path, lambda: atomic_write(path, lambda tmp: torch.save(rank_state, tmp)), rank_state)
+        reports = [None] * self.world_size  # also waits for every rank's writes
+        dist.all_gather_object(reports, (writes.failure, writes.bytes))
+        failure = next((failure for failure, _ in reports if failure is not None), None)
+        if failure is None:
+            files = record_files(tag_dir)
+            if self.rank == 0:
+                marker = Marker(step=step, world_size=self.world_size, config=self.cfg,
+                                model_config=model_config, time=time.time(), files=files, data=data)
+                for path, text in ((tag_dir / MARKER, marker.to_json()), (self.ckpt_dir / LATEST, tag_dir.name)):
+                    failure = writes.write(path, lambda: atomic_write_text(path, text))
+            outcome = [failure]
+            dist.broadcast_object_list(outcome, src=0)
+            if outcome[0] is None:
+                if self.rank == 0:
+                    _prune(self.ckpt_dir, self.cfg.checkpoint.keep)
+                return tag_dir
+            failure = outcome[0]
+        message = [None]
         if self.rank == 0:
-            marker = Marker(step=step, world_size=self.world_size, config=self.cfg,
-                            model_config=model_config, time=time.time(), files=files, data=data)
-            atomic_write_text(tag_dir / MARKER, marker.to_json())
-            atomic_write_text(self.ckpt_dir / LATEST, tag_dir.name)
-            _prune(self.ckpt_dir, self.cfg.checkpoint.keep)
-        return tag_dir
+            shutil.rmtree(tag_dir, ignore_errors=True)
+            message = [self._not_saved(tag_dir, failure, needed=sum(size for _, size in reports))]
+        dist.broadcast_object_list(message, src=0)
+        raise CheckpointError(message[0])
+
+    def _not_saved(self, tag_dir: Path, failure: WriteFailure, needed: int) -> str:
+        """The one line for a save that failed (its partial checkpoint removed already)."""
+        complete = [p for p in list_checkpoints(self.ckpt_dir) if is_complete(p)]
+        kept = (f"{complete[-1].name} stays the newest checkpoint" if complete
+                else "there is no earlier checkpoint")
+        if not failure.out_of_space:
+            return (f"checkpoint {tag_dir} not saved: writing {failure.path} failed ({failure.reason}); "
+                    f"the partial checkpoint was removed and {kept}; fix that, then rerun the same command to resume")
+        free = shutil.disk_usage(self.ckpt_dir).free
+        return (f"checkpoint {tag_dir} not saved: out of space on {_mount_point(self.ckpt_dir)} (the file "
+                f"system of {self.ckpt_dir}; {failure.reason}): the checkpoint needs {_amount(needed)}, "
+                f"{_amount(free)} are free; the partial checkpoint was removed and {kept}; make room "
+                "there (or choose another output_root), then rerun the same command to resume")
 
     def load(self, engine) -> ResumeState | None:
         """Restore the checkpoint `resume_point` chose (None for a fresh start). Collective."""

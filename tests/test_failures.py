@@ -440,3 +440,30 @@ def test_the_output_root_check_leaves_nothing_behind(tmp_path):
     check_output_root(RunConfig(output_root=str(tmp_path), run_name="run"))
     assert [p.name for p in tmp_path.iterdir()] == ["run"] and not any((tmp_path / "run").iterdir())
 
+
+def test_a_full_disk_while_saving_keeps_the_previous_checkpoint(source_run, tmp_path, mounting):
+    """Two ranks on a file system with room for one checkpoint (sized by the one-process source
+    run's, which is about as large) but not two: the second save fails on both ranks alike, in
+    one line naming the file system and the space the checkpoint needs; the partial checkpoint is
+    removed and the first stays the newest, with `latest` naming it."""
+    checkpoint_bytes = sum(p.stat().st_size for p in tag(source_run, 4).iterdir())
+    small, left = tmp_path / "small", tmp_path / "left"
+    launch = ["bash", "launch/torchrun.sh", str(runs.base_config_file()), *ONE_PROCESS[:2], "train.max_steps=12",
+              f"output_root={small}", "run_name=full"]
+    left.mkdir()
+    result = in_small_filesystem(small, f"size={int(1.5 * checkpoint_bytes) // 1024 + 128}k",
+                                 ["env", "NPROC_PER_NODE=2", f"MASTER_PORT={runs.free_port()}", *launch], left)
+    assert result.returncode == 1, result.stderr[-3000:]
+    line = one_error_line(result.stderr)
+    assert line.startswith(f"error: checkpoint {small}/full/ckpt/step_00000008 not saved: out of space on {small} "
+                           f"(the file system of {small}/full/ckpt; No space left on device): the checkpoint needs "), line
+    needed = int(line.split("the checkpoint needs ")[1].split("(")[1].split(" bytes")[0].replace(",", ""))
+    assert 0.8 * checkpoint_bytes < needed < 1.3 * checkpoint_bytes, line
+    assert "step_00000004 stays the newest checkpoint" in line
+    assert "Traceback" not in result.stderr
+    run_dir = left / "full"
+    assert [p.name for p in checkpoint.list_checkpoints(run_dir / "ckpt")] == ["step_00000004"]
+    assert not [p for p in (run_dir / "ckpt").iterdir() if p.name.startswith(".")]  # no temporary files
+    assert (run_dir / "ckpt" / checkpoint.LATEST).read_text() == "step_00000004"
+    marker, damage = checkpoint.check_intact(tag(run_dir, 4))
+    assert damage == [] and marker.step == 4
