@@ -19,6 +19,7 @@ import trainer_runs as runs
 from test_launch_scripts import TORCHRUN_SIGNALS
 from data_pipeline.prepare import default_num_proc
 from pretrain import checkpoint
+from pretrain.runlock import lock_file
 from pretrain.train import EXIT_PREEMPTED
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -248,7 +249,9 @@ def test_a_stop_signal_during_setup_stops_it_at_once(tmp_path, launcher, signum,
     else:
         assert line.startswith("error: stopped by SIGTERM while setting up, before the first step")
     assert stopped_within < 10, f"took {stopped_within:.0f} s to stop"  # preparing takes tens
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "prepared.lock"]  # nor a run
+    # nor a run: only the run's lock file, which stays by design (pretrain.runlock)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [lock_file(tmp_path / "stopped").name, "corpus",
+                                                          "prepared.lock"]
 
 
 def test_a_second_ctrl_c_aborts_but_the_same_keypress_twice_does_not(monkeypatch):
