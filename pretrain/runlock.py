@@ -35,12 +35,15 @@ class RunLock:
         self.path = lock_file(run_dir)
         self.fd: int | None = None
 
-    def acquire(self) -> bool:
+    def acquire(self, create: bool = True) -> bool:
         """Take the lock, or raise ConfigError naming the trainer that holds it. False where the
         file system cannot lock (e.g. Lustre mounted without `flock`): the run goes on unlocked,
-        with a warning."""
+        with a warning; and, without `create`, where there is no lock file (no trainer holds the
+        run: a holder creates it)."""
+        if not create and not self.path.is_file():
+            return False
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.path, os.O_RDWR | (os.O_CREAT if create else 0), 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -68,11 +71,12 @@ class RunLock:
 def hold_run(run_dir: Path, rank: int, checking_only: bool = False) -> RunLock | None:
     """Rank 0 locks `run_dir` for the job and every rank raises the same error if another trainer
     holds it (collective once distributed). `checking_only` (a launcher's check before it starts
-    the ranks) takes the lock and lets it go at once: only whether it is free matters."""
+    the ranks) takes the lock and lets it go at once, creating nothing: only whether it is free
+    matters."""
     lock, error = RunLock(run_dir), None
     if rank == 0:
         try:
-            lock.acquire()
+            lock.acquire(create=not checking_only)
         except ConfigError as e:
             error = str(e)
     if dist.is_initialized():
