@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -451,12 +453,8 @@ def validate(cfg: RunConfig, world_size: int, has_gpu: bool) -> None:
         require(cfg.model.activation_checkpointing in (None, "off"), "model.activation_checkpointing",
                 f"flavor {cfg.model.flavor} has no activation checkpointing")
     warmup = short_warmup(cfg)
-    if warmup:
-        import os
-        import sys
-
-        if int(os.environ.get("RANK", "0")) == 0:  # every rank validates; one line is enough
-            print(f"warning: {warmup}", file=sys.stderr, flush=True)
+    if warmup and int(os.environ.get("RANK", "0")) == 0:  # every rank validates; one line is enough
+        print(f"warning: {warmup}", file=sys.stderr, flush=True)
 
 
 def short_warmup(cfg: RunConfig) -> str | None:
