@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import yaml
@@ -13,12 +14,13 @@ import yaml
 import trainer_runs as runs
 from pretrain import checkpoint
 from pretrain.config import load_config
+from pretrain.runlock import RunLock
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory) -> dict:
+def world(tmp_path_factory) -> Iterator[dict]:
     """A prepared dataset, a base config pointing at it, and run directories holding
     checkpoint markers (written as the trainer writes them; no training needed for --check)."""
     root = tmp_path_factory.mktemp("bad-inputs")
@@ -55,9 +57,14 @@ def world(tmp_path_factory) -> dict:
     (occupied / "something").write_text("x")
     empty_run = root / "runs" / "empty"
     empty_run.mkdir(parents=True)
-    return {"root": root, "config": config, "data": cfg.data.path, "file": text_file,
-            "runs": root / "runs", "incomplete": incomplete, "bad_jsonl": bad_jsonl, "small": small,
-            "occupied": occupied, "empty_run": empty_run}
+    (root / "twice.yaml").write_text(config.read_text() + "model:\n  flavor: nrgpt-tiny\n")
+    (root / "twice_sweep.yaml").write_text("name: twice\nbase: base.yaml\nname: again\n")
+    live = RunLock(root / "runs" / "live")  # held by this process, as a live trainer would
+    live.acquire()
+    yield {"root": root, "config": config, "data": cfg.data.path, "file": text_file,
+           "runs": root / "runs", "incomplete": incomplete, "bad_jsonl": bad_jsonl, "small": small,
+           "occupied": occupied, "empty_run": empty_run}
+    live.release()
 
 
 def train(*args: str) -> tuple[str, list[str]]:
@@ -86,6 +93,7 @@ CASES = {
     "config is a directory": (train("--config", "{root}"), "is a directory"),
     "config not YAML": (train("--config", "{root}/notyaml.yaml"), "not valid YAML"),
     "config not a mapping": (train("--config", "{root}/list.yaml"), "top level must be a mapping"),
+    "config with a key twice": (train("--config", "{root}/twice.yaml"), "duplicate key 'model' at line"),
     "unknown key": (check("trian.max_steps=3"), "command line: unknown key trian"),
     "unknown nested key": (check("train.max_step=3"), "did you mean train.max_steps?"),
     "integer as text": (check("train.max_steps=ten"), "train.max_steps must be an integer"),
@@ -104,6 +112,7 @@ CASES = {
     "fault rank": (check("fault.nan_loss_rank=4"), "must be a rank of this run"),
     "unknown flavor": (check("model.flavor=gpt-huge"), "unknown model flavor 'gpt-huge'"),
     "unknown model field": (check("model.overrides.n_layers=4"), "is not a field of GPTConfig"),
+    "model field of the wrong type": (check("model.overrides.bias=maybe"), "bias must be true or false, got 'maybe'"),
     "context shorter than seq_len": (check("model.overrides.block_size=16"), "shorter than data.seq_len"),
     "compile with double backward": (check("model.flavor=ebt-tiny", "model.compile=inductor"), "double backward"),
     "resume path missing": (check("resume=no/such/run"), "must be 'auto', 'never', 'restart' or an existing"),
@@ -115,6 +124,8 @@ CASES = {
     "zero eval batches": (check("eval.batches=0"), "must be >= 1"),
     # the checks before any work: output root, data, the checkpoint to resume from
     "output root is a file": (check("output_root={file}"), "is not a directory"),
+    "output root under /proc": (check("output_root=/proc/nope"), "cannot create directories in /proc"),
+    "run held by a live trainer": (check("run_name=live"), "is in use by another trainer (host "),
     "dataset missing": (check("data.path={root}/nothing"), "no prepared dataset there"),
     "seq_len differs from the data": (check("data.seq_len=16"), "has windows for seq_len=32"),
     "model vocabulary too small": (check("model.overrides.vocab_size=8"), "smaller than the vocabulary"),
@@ -127,6 +138,10 @@ CASES = {
     "resume from a run without checkpoints": (check("run_name=x", "resume={empty_run}"), "no complete checkpoint found"),
     "check with a bad world size": (train("--check", "--world-size", "3", "--config", "{config}"),
                                     "must be a multiple of data.micro_batch_size x world size"),
+    "check with a world of no processes": (train("--check", "--world-size", "0", "--config", "{config}"),
+                                           "argument --world-size: must be >= 1, got 0"),
+    "check with a negative world size": (train("--check", "--world-size", "-2", "--config", "{config}"),
+                                         "argument --world-size: must be >= 1, got -2"),
     # preparing data
     "unknown source": (prepare("--source", "nowhere:x", "--out", "{root}/o1"), "nowhere"),
     "missing source file": (prepare("--source", "jsonl:{root}/none.jsonl", "--out", "{root}/o2"), "none.jsonl"),
@@ -148,7 +163,7 @@ CASES = {
     "export of a damaged checkpoint": (("pretrain.export", ["{runs}/torn", "--out", "{root}/m.safetensors"]),
                                        "checkpoint step_00000004 is damaged"),
     "export onto a directory that holds files": (("pretrain.export", ["{runs}/done", "--out", "{occupied}"]),
-                                                 "already holds files; pass --overwrite"),
+                                                 "is a directory (the safetensors format writes one file"),
     "export of a run without checkpoint": (("pretrain.export", ["{empty_run}", "--out", "{root}/m.safetensors"]),
                                            "no complete checkpoint found"),
     "export below a file": (("pretrain.export", ["{runs}/done", "--out", "{file}/m.safetensors"]),
@@ -157,6 +172,19 @@ CASES = {
                                          "file.txt is not a directory"),
     "Hugging Face export of a missing run": (("pretrain.export", ["{root}/nothing", "--format", "hf", "--out", "{root}/hf"]),
                                              "no such run directory"),
+    "export over its own run": (("pretrain.export", ["{runs}/done", "--format", "hf", "--out", "{runs}/done",
+                                                     "--overwrite"]), "is the source"),
+    "export over the runs' parent": (("pretrain.export", ["{runs}/done", "--out", "{runs}", "--overwrite"]),
+                                     "holds the source"),
+    "export over another run": (("pretrain.export", ["{runs}/done", "--format", "hf", "--out", "{runs}/stage0",
+                                                     "--overwrite"]), "is a run directory"),
+    "export over a non-export directory": (("pretrain.export", ["{runs}/done", "--format", "hf", "--out", "{occupied}",
+                                                                "--overwrite"]),
+                                           "a directory that pretrain.export did not write"),
+    "export over a non-export file": (("pretrain.export", ["{runs}/done", "--out", "{file}", "--overwrite"]),
+                                      "a file that pretrain.export did not write"),
+    "export into a run's ckpt": (("pretrain.export", ["{runs}/done", "--out", "{runs}/stage0/ckpt/model.safetensors"]),
+                                 "which the training run manages"),
     # sampling
     "sample from a missing run": (sample("{root}/nothing"), "no such run directory"),
     "sample without a prompt": (("pretrain.sample", ["{root}/nothing"]), "give a prompt"),
@@ -183,6 +211,8 @@ CASES = {
     # scaling
     "sweep file missing": (("pretrain.scaling", ["run", "{root}/nosweep.yaml"]), "nosweep.yaml"),
     "fit of a missing directory": (("pretrain.scaling", ["fit", "{root}/nothing"]), "nothing"),
+    "sweep file with a key twice": (("pretrain.scaling", ["run", "{root}/twice_sweep.yaml"]),
+                                    "duplicate key 'name' at line 3 (first at line 1)"),
     # malformed command lines, one per command
     "trainer option unknown": (train("--config", "{config}", "--bogus"), "unrecognized arguments: --bogus (see --help)"),
     "trainer without a config": (train(), "the following arguments are required: --config"),
@@ -193,6 +223,7 @@ CASES = {
     "evaluate without tasks": (evaluate("{empty_run}"), "required: --tasks"),
     "scaling command unknown": (("pretrain.scaling", ["sweep"]), "invalid choice: 'sweep'"),
     "models with an argument": (("pretrain.models", ["gpt"]), "unrecognized arguments: gpt"),
+    "models vocab not positive": (("pretrain.models", ["--vocab", "0"]), "expected a positive number of token ids"),
     "demo with an option": (("pretrain.demo", ["--fast"]), "unrecognized arguments: --fast"),
 }
 
