@@ -20,6 +20,7 @@ def preflight(cfg: RunConfig, checkpoints: CheckpointManager, checking_only: boo
     compatible) and, if the dataset exists already and is not to be rebuilt (`data.overwrite`),
     that it fits the model. `Trainer.setup`
     starts with these; `--check` runs them alone, once, before a launcher starts the ranks."""
+    from data_pipeline.packing import INDEX, MANIFEST
     from data_pipeline.prepare import existing_manifest
 
     check_output_root(cfg)
@@ -29,10 +30,20 @@ def preflight(cfg: RunConfig, checkpoints: CheckpointManager, checking_only: boo
     manifest = existing_manifest(cfg.data.path)
     if manifest is not None:
         check_dataset(cfg, manifest)
-    elif not cfg.data.source:
-        raise ConfigError(f"data.path={cfg.data.path}: no prepared dataset there (no manifest.json); "
-                          "prepare one with python -m data_pipeline.prepare SOURCE --out "
-                          f"{cfg.data.path}, or set data.source to prepare it on first use")
+        evaluates(cfg, manifest, checkpoints.world_size)
+        return
+    path = Path(cfg.data.path)
+    if path.is_file():
+        raise ConfigError(f"data.path={path} is a file; it must be the directory of a prepared dataset "
+                          f"(the one holding {MANIFEST})")
+    if (path / INDEX).is_file() and (path.parent / MANIFEST).is_file():
+        raise ConfigError(f"data.path={path} is the {path.name} split of the dataset at {path.parent}; "
+                          f"set data.path={path.parent}")
+    if not cfg.data.source:
+        missing = f"no {MANIFEST}" if path.is_dir() else "no such directory"
+        raise ConfigError(f"data.path={path}: no prepared dataset there ({missing}); prepare one with "
+                          f"python -m data_pipeline.prepare --source SOURCE --out {path}, or set "
+                          "data.source to prepare it on first use")
 
 
 def check_output_root(cfg: RunConfig) -> None:
@@ -87,3 +98,28 @@ def check_dataset(cfg: RunConfig, manifest: dict) -> None:
         print(f"warning: the model has {model_vocab} embeddings but the dataset at {data.path} uses "
               f"only {manifest['vocab_size']} token ids ({manifest.get('tokenizer')} tokenizer): most "
               "of the vocabulary can never occur", file=sys.stderr)
+
+
+def evaluates(cfg: RunConfig, manifest: dict, world_size: int) -> bool:
+    """Whether the run evaluates on the val split of its dataset: not when the dataset has none
+    (prepared with --val-fraction 0) and eval.interval=0 (which otherwise evaluates once, at the
+    end). A run that must evaluate needs a val split that fills a micro-batch on every process."""
+    data, interval = cfg.data, cfg.eval.interval
+    windows = manifest["splits"].get("val", {}).get("windows", 0)
+    if windows == 0 and interval == 0:
+        if cfg.eval.downstream.tasks:
+            raise ConfigError(f"eval.downstream.tasks: they run at the evaluations, and this run has none "
+                              f"(the dataset at {data.path} has no val split and eval.interval=0); drop "
+                              "them, or prepare the dataset with a val fraction")
+        return False
+    if windows == 0:
+        raise ConfigError(f"eval.interval={interval}: the dataset at {data.path} has no val split "
+                          "(prepared with --val-fraction 0); set eval.interval=0 to train without "
+                          "evaluation, or prepare the dataset with a val fraction")
+    if windows < data.micro_batch_size * world_size:
+        raise ConfigError(f"data.micro_batch_size={data.micro_batch_size}: the val split of the dataset at "
+                          f"{data.path} has {windows} window(s), fewer than one micro-batch on each of "
+                          f"{world_size} process(es); lower data.micro_batch_size, prepare the dataset "
+                          "with a larger --val-fraction, or with --val-fraction 0 and set eval.interval=0 "
+                          "to train without evaluation")
+    return True

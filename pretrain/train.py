@@ -44,7 +44,7 @@ from pretrain.flops import peak_tflops
 from pretrain.metrics import Metrics, StepResult, Throughput, diagnostic_scalars
 from pretrain.models import build, family_name
 from pretrain.optim import build_optimizer, lr_factor, param_groups, set_lr
-from pretrain.preflight import check_dataset, preflight
+from pretrain.preflight import check_dataset, evaluates, preflight
 from pretrain.summary import RunRecord
 
 EXIT_PREEMPTED = 75
@@ -178,8 +178,10 @@ class Trainer:
         # Schedulers signal every process of the job, loader workers included, and a worker
         # dead of SIGTERM fails the batch the step still needs; the trainer handles preemption.
         self.loader.dataloader.worker_init_fn = _ignore_stop_signals
-        self.val_loader = build_loader(data.path, "val", micro_batch_size=data.micro_batch_size,
-                                       seed=cfg.seed, shuffle=False, num_workers=0, repeat=False)
+        self.val_loader = None  # a dataset without a val split, with eval.interval=0: no evaluation
+        if evaluates(cfg, manifest, self.world_size):
+            self.val_loader = build_loader(data.path, "val", micro_batch_size=data.micro_batch_size,
+                                           seed=cfg.seed, shuffle=False, num_workers=0, repeat=False)
         self._continue_from(self.checkpoints.load(self.engine))
 
         if self.rank == 0:
@@ -323,7 +325,7 @@ class Trainer:
                 self.save()
                 last_save = step
 
-        if last_eval != self.state.step:
+        if last_eval != self.state.step and self.val_loader is not None:
             self.run_eval()
         if last_save != self.state.step and not self.checkpoints.has(self.state.step):
             self.save()
