@@ -211,7 +211,8 @@ class DownstreamSection:
 @dataclass
 class EvalSection:
     interval: int = 1000
-    """Optimizer steps between evaluations; 0 evaluates only at the end."""
+    """Optimizer steps between evaluations; 0 evaluates only at the end (and not at all on a
+    dataset without a val split, prepared with --val-fraction 0)."""
     batches: int = 20
     """Validation micro-batches per process per evaluation."""
     think_steps: int = 4

@@ -4,6 +4,7 @@ traceback, and never exit 0 when it failed. The commands run in-process (their `
 the trainer as `--check`, which runs exactly the checks a launch makes before any work."""
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 from typing import Iterator
@@ -57,6 +58,7 @@ def world(tmp_path_factory) -> Iterator[dict]:
     (occupied / "something").write_text("x")
     empty_run = root / "runs" / "empty"
     empty_run.mkdir(parents=True)
+    (root / "cut.jsonl.gz").write_bytes(gzip.compress(b'{"text": "whole"}\n' * 100)[:-20])
     (root / "twice.yaml").write_text(config.read_text() + "model:\n  flavor: nrgpt-tiny\n")
     (root / "twice_sweep.yaml").write_text("name: twice\nbase: base.yaml\nname: again\n")
     live = RunLock(root / "runs" / "live")  # held by this process, as a live trainer would
@@ -126,7 +128,12 @@ CASES = {
     "output root is a file": (check("output_root={file}"), "is not a directory"),
     "output root under /proc": (check("output_root=/proc/nope"), "cannot create directories in /proc"),
     "run held by a live trainer": (check("run_name=live"), "is in use by another trainer (host "),
-    "dataset missing": (check("data.path={root}/nothing"), "no prepared dataset there"),
+    "dataset missing": (check("data.path={root}/nothing"),
+                        "prepare one with python -m data_pipeline.prepare --source SOURCE --out"),
+    "data path is a split folder": (check("data.path={data}/train"), "is the train split of the dataset at"),
+    "data path is a file": (check("data.path={file}"), "is a file; it must be the directory of a prepared dataset"),
+    "val split smaller than a micro-batch": (check("data.micro_batch_size=1024", "train.global_batch_size=1024"),
+                                             "fewer than one micro-batch on each of 1 process(es)"),
     "seq_len differs from the data": (check("data.seq_len=16"), "has windows for seq_len=32"),
     "model vocabulary too small": (check("model.overrides.vocab_size=8"), "smaller than the vocabulary"),
     "resume=never over checkpoints": (check("run_name=done", "resume=never"), "resume=restart moves it aside"),
@@ -155,6 +162,11 @@ CASES = {
                                   "--val-fraction", "0", "--num-proc", "1"), "bad.jsonl"),
     "small corpus, default val fraction": (prepare("--source", "jsonl:{small}", "--out", "{root}/o7", "--seq-len", "8",
                                                    "--num-proc", "1"), "--val-fraction"),
+    "one document, val fraction given": (prepare("--source", "text:{file}", "--out", "{root}/o10", "--seq-len", "2",
+                                                 "--val-fraction", "0.5", "--num-proc", "1"),
+                                         "1 document(s) are too few to split"),
+    "truncated gzip": (prepare("--source", "jsonl:{root}/cut.jsonl.gz", "--out", "{root}/o11", "--num-proc", "1"),
+                       "cut.jsonl.gz"),
     "unknown compression": (prepare("--source", "shakespeare", "--out", "{root}/o8", "--compression", "rar"),
                             "compression"),
     # exporting
