@@ -20,6 +20,7 @@ demo: $(STAMP)
 	$(PY) -m pretrain.demo
 
 test: $(STAMP)
+	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -q tests
 
 bench-data: $(STAMP)

@@ -45,12 +45,12 @@ from typing import Callable
 
 import torch
 
+from common.cli import ArgumentParser, run_command
 from data_pipeline.hub import HubRepo, write_tarball_layout
 from data_pipeline.loader import build_loader
 from data_pipeline.prepare import prepare
 from data_pipeline.sources import parse_source
 from data_pipeline.tokenizer import gpt2_encoding
-from pretrain.cli import ArgumentParser, run_command
 
 LOADER_BATCHES = 400
 TRAIN_STEPS = 20

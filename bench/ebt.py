@@ -20,7 +20,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from bench.memory import peak_allocated_bytes
 from bench.models import (Contender, add_shape_arguments, build_contender, print_table, seconds_per_step,
                           train_step)
-from pretrain.cli import ArgumentParser, run_command
+from common.cli import ArgumentParser, run_command
 
 BASELINE = Contender("transformer_pp", "transformer_pp-tiny")
 TRAINING = [

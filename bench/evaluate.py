@@ -14,11 +14,11 @@ import time
 
 import torch
 
+from common.cli import ArgumentParser, run_command
+from common.fileio import markdown_table
 from data_pipeline.sources import parse_source
 from data_pipeline.tokenizer import GPT2Tokenizer
-from pretrain.cli import ArgumentParser, run_command
 from pretrain.downstream.adapter import HarnessModel, Request
-from pretrain.fileio import markdown_table
 from pretrain.models import build, resolve
 
 CONTINUATION_TOKENS = 16

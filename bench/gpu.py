@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from pretrain.cli import STOP_SIGNALS, ArgumentParser, Stopped, run_command, signals_held
-from pretrain.fileio import atomic_write_text, markdown_table
+from common.cli import STOP_SIGNALS, ArgumentParser, Stopped, run_command, signals_held
+from common.fileio import atomic_write_text, markdown_table
 
 REPO = Path(__file__).resolve().parent.parent
 RESULT = "BENCH-RESULT "

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from bench.memory import peak_allocated_bytes
-from pretrain.cli import ArgumentParser, run_command
+from common.cli import ArgumentParser, run_command
 from pretrain.models import build, resolve
 
 

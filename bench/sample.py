@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 
 from bench.models import print_table
-from pretrain.cli import ArgumentParser, run_command
+from common.cli import ArgumentParser, run_command
 from pretrain.models import build, resolve
 from pretrain.models.common import DecodeCache, sample_logits
 

@@ -23,8 +23,8 @@ import time
 import numpy as np
 import torch
 
+from common.cli import ArgumentParser, run_command
 from pretrain import models
-from pretrain.cli import ArgumentParser, run_command
 from pretrain.scaling.fit import fit_power_law
 from pretrain.scaling.joint import JointLaw, fit_joint_law
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from pretrain.cli import ArgumentParser, run_command
+from common.cli import ArgumentParser, run_command
 
 REPO = Path(__file__).resolve().parent.parent
 

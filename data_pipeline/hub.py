@@ -27,7 +27,7 @@ import tarfile
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from data_pipeline.sources import DataError
+from data_pipeline.errors import DataError
 
 TARBALL_DIR = "subsets"
 """Folder of the raw subset tarballs in the tarball layout."""

@@ -26,8 +26,9 @@ from typing import Iterator
 
 import numpy as np
 
+from data_pipeline.errors import DataError
 from data_pipeline.packing import dataset_fingerprint, read_manifest, write_splits
-from data_pipeline.sources import DataError, SourceStats
+from data_pipeline.sources import SourceStats
 from data_pipeline.tokenizer import WordTokenizer, tokenizer_from_spec
 
 OPERATORS = ("add_10", "max_10", "median_10")

@@ -36,10 +36,10 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
+from common.fileio import read_json
+from data_pipeline.errors import DataError
 from data_pipeline.packing import INDEX, SHARD_HASH, read_manifest
-from data_pipeline.sources import DataError
 from data_pipeline.streaming_compat import streaming
-from pretrain.fileio import read_json
 
 READY_AHEAD = 4096
 """Streaming's `predownload`: how many samples its background threads run ahead of the reader.

@@ -15,10 +15,10 @@ from typing import Iterable
 import numpy as np
 from tqdm import tqdm
 
-from data_pipeline.sources import DataError
+from common.fileio import read_json
+from data_pipeline.errors import DataError
 from data_pipeline.streaming_compat import streaming
 from data_pipeline.tokenizer import UINT16_LIMIT
-from pretrain.fileio import read_json
 
 MANIFEST = "manifest.json"
 INDEX = "index.json"

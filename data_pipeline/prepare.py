@@ -37,15 +37,15 @@ from typing import Iterable, Iterator
 import numpy as np
 from tqdm import tqdm
 
+from common.cli import STOP_SIGNALS, ArgumentParser, Stopped, run_command, signals_held
+from data_pipeline.errors import DataError
+from data_pipeline.hub import Archive
 from data_pipeline.listops import build_listops_dataset
 from data_pipeline.packing import (MANIFEST, check_uint16, dataset_fingerprint, read_manifest,
                                    write_manifest, write_splits)
-from data_pipeline.hub import Archive
-from data_pipeline.sources import (DataError, Source, SourceStats, archive_texts,
-                                   fingerprint_change, parse_source)
+from data_pipeline.sources import Source, SourceStats, archive_texts, fingerprint_change, parse_source
 from data_pipeline.streaming_compat import streaming
 from data_pipeline.tokenizer import CharTokenizer, GPT2Tokenizer, tokenizer_from_spec
-from pretrain.cli import STOP_SIGNALS, ArgumentParser, Stopped, run_command, signals_held
 
 FORMAT_VERSION = 1
 SPLITS = ("train", "val")

@@ -40,6 +40,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Iterator
 
+from data_pipeline import hub
+from data_pipeline.errors import DataError
+
 OPENWEBTEXT = "Skylion007/openwebtext"
 """Hub name of OpenWebText (the canonical `openwebtext` name redirects to it)."""
 
@@ -59,10 +62,6 @@ FINGERPRINT_BLOCK_BYTES = 64 << 10
 UTF8_BOM = b"\xef\xbb\xbf"
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 _JSON_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-
-
-class DataError(ValueError):
-    """Bad input to the data pipeline; the message is one line naming the cause."""
 
 
 @dataclass
@@ -129,8 +128,6 @@ def _decompressed(path: str, suffix: str | None) -> BinaryIO:
 
 def archive_texts(archive, stats: SourceStats) -> Iterator[str]:
     """The documents of one tarball-layout archive (see hub.py), empty ones included."""
-    from data_pipeline import hub
-
     for raw in hub.archive_documents(archive):
         yield hub.normalize_document(decode_utf8(raw, stats, archive.name))
 
@@ -174,9 +171,7 @@ class Source:
     def repo(self):
         """The hub repository of a hub source, at its resolved commit."""
         if self.hub_repo is None:
-            from data_pipeline.hub import open_hub_repo
-
-            self.hub_repo = open_hub_repo(self.hf_name, self.revision)
+            self.hub_repo = hub.open_hub_repo(self.hf_name, self.revision)
         return self.hub_repo
 
     def documents(self) -> Iterator[str]:
@@ -254,8 +249,6 @@ class Source:
                 yield "".join(paragraph).rstrip("\r\n")
 
     def _openwebtext(self) -> Iterator:
-        from data_pipeline import hub
-
         repo = self.repo()
         layout = hub.detect_layout(repo)
         self.layout = layout.kind

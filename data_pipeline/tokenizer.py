@@ -150,6 +150,21 @@ def token_byte_lengths(manifest: dict) -> np.ndarray | None:
     return None
 
 
+def decode_padded(decode, ids: list[int], vocab_size: int) -> str:
+    """Text of `ids`, where ids from the model's padding of the vocabulary (>= the tokenizer's
+    `vocab_size`; a barely trained model samples them) show as U+FFFD."""
+    pieces, run = [], []
+    for i in ids + [vocab_size]:
+        if i < vocab_size:
+            run.append(i)
+            continue
+        if run:
+            pieces.append(decode(run))
+            run = []
+        pieces.append("\ufffd")
+    return "".join(pieces[:-1])
+
+
 def decode(manifest: dict, ids) -> str:
     """Text of token ids of a prepared dataset (for samples printed or logged by the trainer)."""
     return tokenizer_from_spec(manifest).decode([int(i) for i in ids])

@@ -1,3 +1,3 @@
-from pretrain.cli import end_interrupted_starts_in_one_line
+from common.cli import end_interrupted_starts_in_one_line
 
 end_interrupted_starts_in_one_line()

@@ -44,9 +44,10 @@ import torch
 import torch.distributed as dist
 import xxhash
 
-from pretrain.config import ConfigError, RunConfig, from_dict, get_key, padded_vocab, to_dict
+from common.fileio import atomic_write, atomic_write_text
+from pretrain.config import ConfigError, RunConfig, from_dict, get_key, to_dict
 from pretrain.engine import seed_process
-from pretrain.fileio import atomic_write, atomic_write_text
+from pretrain.models import padded_vocab
 from pretrain.runlock import RunLock, hold_run
 
 MARKER = "complete.json"

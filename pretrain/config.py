@@ -102,6 +102,14 @@ class DataSection:
     still reads `path`'s val split); empty: no mixture."""
 
 
+DECAY_SETS = {
+    "matrices": "tensors of 2 or more dimensions except the embedding tables and an untied LM head",
+    "nanogpt": "every tensor of 2 or more dimensions, embeddings and LM head included (nanoGPT)",
+    "all": "every parameter except step sizes such as EBT's alpha (the EBT and NRGPT ListOps scripts)",
+}
+"""`optimizer.decay` -> the parameters it decays (with `optimizer.weight_decay`)."""
+
+
 @dataclass
 class OptimizerSection:
     lr: float = 6e-4
@@ -113,9 +121,7 @@ class OptimizerSection:
     weight_decay: float = 0.1
     """Decoupled weight decay, applied to the parameters of the `decay` set."""
     decay: str = "matrices"
-    """Which parameters weight decay applies to (`pretrain.optim.DECAY_SETS`): "matrices" (2-D
-    and larger except embeddings and an untied LM head), "nanogpt" (every tensor of 2 or more
-    dimensions) or "all" (everything but step sizes such as EBT's alpha)."""
+    """Which parameters weight decay applies to: a name of `DECAY_SETS`."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
     fused: bool | None = None
@@ -395,7 +401,6 @@ def validate(cfg: RunConfig, world_size: int, has_gpu: bool) -> None:
     require(cfg.optimizer.eps > 0, "optimizer.eps", "must be > 0")
     require(all(m > 0 for m in cfg.optimizer.lr_multipliers.values()), "optimizer.lr_multipliers",
             "factors must be > 0")
-    from pretrain.optim import DECAY_SETS  # imported late: optim imports this module
     require(cfg.optimizer.decay in DECAY_SETS, "optimizer.decay", f"must be one of {', '.join(DECAY_SETS)}")
     require(cfg.schedule.kind in ("cosine", "exponential", "constant"), "schedule.kind",
             "must be 'cosine', 'exponential' or 'constant'")
@@ -486,15 +491,10 @@ def get_key(node: RunConfig | dict, key: str) -> Any:
     return node
 
 
-def padded_vocab(dataset_vocab_size: int) -> int:
-    """The model's embedding rows for a dataset vocabulary: a multiple of 64 for fast matmuls."""
-    return -(-dataset_vocab_size // 64) * 64
-
-
 def model_config(cfg: RunConfig, dataset_vocab_size: int) -> Any:
     """The model's config: the flavor with `model.overrides`, the dataset's vocabulary (padded
     up to a multiple of 64 for fast matmuls) and `data.seq_len` as context unless overridden."""
-    from pretrain.models import resolve
+    from pretrain.models import padded_vocab, resolve
 
     overrides = {"vocab_size": padded_vocab(dataset_vocab_size), "block_size": cfg.data.seq_len}
     if cfg.model.activation_checkpointing is not None:

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pretrain.cli import ArgumentParser, run_command
+from common.cli import ArgumentParser, run_command
 from pretrain.config import load_config
 
 OUTPUT_ROOT = Path("checkpoints/demo")

@@ -1,5 +1,6 @@
 """Evaluation during training: val loss and perplexity, bits per byte, EBT's thinking curve (val
-loss after 1..N inference steps), and a short generated text sample. As a command, downstream
+loss after 1..N inference steps), a short generated text sample, and the downstream tasks of
+`eval.downstream` (`evaluate_downstream`). As a command, downstream
 evaluation of a trained model on lm-evaluation-harness (pretrain.downstream), offline:
 
     python -m pretrain.evaluate RUN_DIR [--checkpoint TAG] --tasks core|nrgpt_paper|ebt_paper|NAME,...
@@ -22,12 +23,13 @@ import sys
 from dataclasses import dataclass
 from itertools import cycle, islice
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from pretrain.cli import ArgumentParser, run_command
-from pretrain.config import EvalSection
+from common.cli import ArgumentParser, run_command
+from pretrain.config import DownstreamSection, EvalSection
 
 
 PROMPT_END = " \u27e8generated\u27e9 "
@@ -63,20 +65,14 @@ class EvalResult:
             values[f"eval/think_loss/step_{k:02d}"] = loss
         return values
 
-
-def decode_padded(decode, ids: list[int], vocab_size: int) -> str:
-    """Text of `ids`, where ids from the model's padding of the vocabulary (>= the tokenizer's
-    `vocab_size`; a barely trained model samples them) show as U+FFFD."""
-    pieces, run = [], []
-    for i in ids + [vocab_size]:
-        if i < vocab_size:
-            run.append(i)
-            continue
-        if run:
-            pieces.append(decode(run))
-            run = []
-        pieces.append("\ufffd")
-    return "".join(pieces[:-1])
+    def line(self) -> str:
+        """The figures for the console."""
+        line = f"val loss {self.loss:.4f}, ppl {math.exp(min(self.loss, 50)):.2f}"
+        if self.bpb is not None:
+            line += f", {self.bpb:.4f} bits/byte"
+        if self.think_losses:
+            line += ", thinking curve " + " ".join(f"{x:.3f}" for x in self.think_losses)
+        return line
 
 
 def bits_per_byte(loss_nats: float, tokens: int, utf8_bytes: int) -> float:
@@ -138,6 +134,30 @@ def evaluate(engine, val_loader, settings: EvalSection, device: torch.device, se
 
 
 # --- the downstream command ------------------------------------------------------------------
+
+def downstream_due(settings: DownstreamSection, step: int, final: bool) -> bool:
+    return bool(settings.tasks) and (final or (settings.interval > 0 and step % settings.interval == 0))
+
+
+def evaluate_downstream(model: torch.nn.Module, settings: DownstreamSection, manifest: dict, step: int,
+                        final: bool, log: Callable[[int, dict[str, float]], None]) -> dict[str, float]:
+    """Downstream evaluation inside a training run (`eval.downstream`): when due at `step`,
+    evaluate `model` (the training module; its train/eval mode is kept) on the first `limit`
+    documents of each task, the same ones every time, on every rank with identical calls
+    (ZeRO-3's forward gathers parameters collectively); `log(step, scalars)` (the scalars the
+    command writes) and return them. Otherwise {}."""
+    if not downstream_due(settings, step, final):
+        return {}
+    from data_pipeline.tokenizer import tokenizer_from_spec
+    from pretrain.downstream import harness
+    from pretrain.downstream.adapter import HarnessModel  # imports lm-eval: only when used
+
+    adapter = HarnessModel(model, tokenizer_from_spec(manifest), batch_size=settings.batch_size,
+                           split_over_ranks=False, progress=False)
+    values = harness.scalars(harness.run(adapter, settings.tasks, settings.limit))
+    log(step, values)
+    return values
+
 
 def _positive_int(text: str) -> int:
     value = int(text)
@@ -202,7 +222,8 @@ def results_file(checkpoint_or_file: Path) -> Path:
 
 def _load_text_model(source: Path, device, dtype: str):
     from pretrain.downstream.adapter import TEXT_TOKENIZERS
-    from pretrain.trained import LoadError, load_trained
+    from pretrain.trained import load_trained
+    from pretrain.weights import LoadError
 
     trained = load_trained(source, device=device, dtype=dtype)
     kind = (trained.manifest or {}).get("tokenizer")
@@ -214,14 +235,14 @@ def _load_text_model(source: Path, device, dtype: str):
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    from data_pipeline.sources import DataError
+    from data_pipeline.errors import DataError
     from pretrain import checkpoint
     from pretrain.downstream import generation, harness
     from pretrain.downstream.adapter import HarnessModel
     from pretrain.downstream.data import DataMissing, data_root
     from pretrain.engine import keep_freed_host_memory
-    from pretrain.fileio import atomic_write_text
-    from pretrain.trained import LoadError
+    from common.fileio import atomic_write_text
+    from pretrain.weights import LoadError
 
     keep_freed_host_memory()  # each scoring batch's logits would otherwise be fresh pages
     world_size = int(os.environ.get("WORLD_SIZE", "1"))

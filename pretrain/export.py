@@ -10,7 +10,7 @@ model's `state_dict()` (tied weights stored under both names), so `build(config)
 flavor and the full model config (`load` below does both steps).
 
 `--format hf` writes a directory that `AutoModelForCausalLM.from_pretrained` and
-`AutoTokenizer.from_pretrained` load (see `pretrain.hf.export`): native GPT2LMHeadModel /
+`AutoTokenizer.from_pretrained` load (see `pretrain.export_hf`): native GPT2LMHeadModel /
 LlamaForCausalLM for gpt / transformer_pp, the model's own code (`trust_remote_code=True`) for
 gpt_rec, nrgpt and ebt, with the tokenizer and a model card. Either output appears only when complete.
 
@@ -33,9 +33,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from pretrain.cli import ArgumentParser, run_command
-from pretrain.fileio import atomic_write
-from pretrain.hf.export import check_out, export_hf, write_failure
+from common.cli import ArgumentParser, run_command
+from common.fileio import atomic_write
+from pretrain.export_hf import check_out, export_hf, write_failure
 from pretrain.trained import load_trained
 
 

@@ -1,7 +1,7 @@
 """Optimizer parameter groups and learning-rate schedules.
 
 Groups: parameters with weight decay (`decay`), without (`no_decay`: what the decay set
-`optimizer.decay` exempts, see `DECAY_SETS`), and one group per learning-rate multiplier (the
+`optimizer.decay` exempts, see `config.DECAY_SETS`), and one group per learning-rate multiplier (the
 model's `lr_multipliers()` such as EBT's alpha, and `optimizer.lr_multipliers` patterns).
 
 The schedule is a pure function of the optimizer step, applied by the training loop before
@@ -15,15 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from pretrain.config import ConfigError, OptimizerSection, ScheduleSection, ZeroSection
-
-
-DECAY_SETS = {
-    "matrices": "tensors of 2 or more dimensions except the embedding tables and an untied LM head",
-    "nanogpt": "every tensor of 2 or more dimensions, embeddings and LM head included (nanoGPT)",
-    "all": "every parameter except step sizes such as EBT's alpha (the EBT and NRGPT ListOps scripts)",
-}
-"""`optimizer.decay` -> the parameters it decays (with `optimizer.weight_decay`)."""
+from pretrain.config import DECAY_SETS, ConfigError, OptimizerSection, ScheduleSection, ZeroSection
 
 
 def undecayed_names(model: nn.Module, decay_set: str) -> set[str]:

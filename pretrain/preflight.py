@@ -11,7 +11,8 @@ import tempfile
 from pathlib import Path
 
 from pretrain.checkpoint import CheckpointManager
-from pretrain.config import ConfigError, RunConfig, model_config, padded_vocab
+from pretrain.config import ConfigError, RunConfig, model_config
+from pretrain.models import padded_vocab
 
 
 def preflight(cfg: RunConfig, checkpoints: CheckpointManager, checking_only: bool = False) -> None:

@@ -22,9 +22,10 @@ from pathlib import Path
 
 import torch
 
-from pretrain.cli import ArgumentParser, run_command
+from common.cli import ArgumentParser, run_command
 from pretrain.models.common import decode, sample_logits
-from pretrain.trained import DTYPES, LoadError, TrainedModel, load_trained
+from pretrain.trained import DTYPES, TrainedModel, load_trained
+from pretrain.weights import LoadError
 
 EBT_OPTIONS = ("think_steps", "best_of")
 

@@ -1,17 +1,54 @@
-"""`summary.json`: what a finished run reports about itself, written by the trainer and read by
-the scaling code (and anything else that compares runs)."""
+"""A run's record of itself: its progress while it trains (`TrainState`, in every checkpoint) and,
+once finished, `summary.json` (`RunRecord`), written by the trainer and read by the scaling code
+(and anything else that compares runs)."""
 from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from pretrain.fileio import atomic_write_text
+from common.fileio import atomic_write_text
 from pretrain.typed import read_typed
 
 SUMMARY_FILE = "summary.json"
+
+
+@dataclass
+class TrainState:
+    """Progress of a run, saved in every checkpoint's client state (the data position is the
+    loader's own state, saved next to it)."""
+
+    step: int = 0
+    """Optimizer steps taken (skipped ones included: their data was consumed)."""
+    tokens_seen: int = 0
+    """Training tokens consumed by all ranks."""
+    skipped_steps: int = 0
+    """Updates skipped because a loss or the gradient norm was not finite."""
+    reloads: int = 0
+    """Reloads of the last good checkpoint after repeated non-finite updates."""
+    last_train_loss: float | None = None
+    """Mean training loss of the latest applied step."""
+    last_val_loss: float | None = None
+    """Validation loss of the latest evaluation."""
+    best_val_loss: float | None = None
+    """Lowest validation loss so far."""
+    think_losses: list[float] | None = None
+    """EBT: val loss after 1..N inference steps at the latest evaluation."""
+    wall_time_s: float = 0.0
+    """Seconds spent in this run up to the latest checkpoint, summed over resumed segments."""
+
+    def record_eval(self, val_loss: float, think_losses: list[float] | None) -> None:
+        self.last_val_loss = val_loss
+        self.best_val_loss = val_loss if self.best_val_loss is None else min(self.best_val_loss, val_loss)
+        self.think_losses = think_losses
+
+    @classmethod
+    def from_saved(cls, saved: dict) -> TrainState:
+        """The state as a checkpoint holds it (keys of older versions that are gone ignored)."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in saved.items() if k in names})
 
 
 @dataclass(frozen=True)

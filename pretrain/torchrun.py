@@ -31,8 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
-EXIT_DIR_VARIABLE = "PRETRAIN_EXIT_DIR"
-"""Where each rank writes its exit code and error line before exiting (a file named by its rank)."""
+from common.cli import EXIT_DIR_VARIABLE
+
 FAILED_PEER_GRACE_S = 5.0
 """After a worker failed, how long the others have to end by themselves (a rank that met the
 same error prints and records it in milliseconds) before they are killed."""
@@ -47,13 +47,6 @@ class _Held(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.records.append(record)
-
-
-def write_exit_file(code: int, line: str = "") -> None:
-    """Called by every rank of the trainer as it exits: its code and error line for this launcher."""
-    directory = os.environ.get(EXIT_DIR_VARIABLE)
-    if directory:
-        Path(directory, os.environ.get("RANK", "0")).write_text(f"{code}\n{line}")
 
 
 def read_exit_files(directory: Path) -> dict[int, tuple[int, str]]:

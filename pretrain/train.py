@@ -22,88 +22,34 @@ import gc
 import math
 import os
 import platform
-import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
 import yaml
 
+from common.cli import ArgumentParser, write_exit_file
+from common.fileio import atomic_write_text
 from pretrain.checkpoint import CheckpointError, CheckpointManager, ResumeState, data_identity
-from pretrain.cli import INTERRUPTED, INTERRUPTED_LINE, STOP_SIGNALS, ArgumentParser, Stopped
 from pretrain.config import (ConfigError, RunConfig, gradient_accumulation_steps, load_config,
                              model_config, resolved_precision, to_dict, validate)
 from pretrain.engine import (configure_device_math, deepspeed_config, distributed_env, initialize,
                              keep_freed_host_memory, seed_process)
-from pretrain.downstream.in_training import evaluate_in_training
-from pretrain.evaluate import EvalResult, decode_padded, evaluate
-from pretrain.fileio import atomic_write_text
+from pretrain.evaluate import EvalResult, evaluate, evaluate_downstream
+from pretrain.faults import Faults
 from pretrain.flops import peak_tflops
 from pretrain.metrics import Metrics, StepResult, Throughput, diagnostic_scalars
 from pretrain.models import build, family_name
 from pretrain.optim import build_optimizer, lr_factor, param_groups, set_lr
 from pretrain.preflight import check_dataset, evaluates, preflight
-from pretrain.summary import RunRecord
-
-EXIT_PREEMPTED = 75
-"""EX_TEMPFAIL: stopped by SIGTERM/SIGUSR1/SIGINT after saving a checkpoint (or by SIGTERM/SIGUSR1
-before the first step, with nothing to save); rerun to resume."""
-EXIT_ABORTED = INTERRUPTED
-"""A second Ctrl-C: stopped at once, without saving (the last checkpoint stays the resume point)."""
-
-# A stop signal (cli.STOP_SIGNALS) makes the trainer finish the step, save a checkpoint and exit
-# with EXIT_PREEMPTED (Slurm: SIGUSR1 as the warning before the time limit, SIGTERM on preemption
-# or scancel; Ctrl-C at a terminal). Before the first step it stops setup at once: Ctrl-C with
-# INTERRUPTED, the others with EXIT_PREEMPTED.
-REPEAT_SIGINT_S = 2.0
-"""A Ctrl-C this long after the first aborts at once. Sooner ones are the same keypress arriving
-twice (the terminal signals the whole process group and torchrun forwards it again)."""
-
+from pretrain.stopping import (EXIT_PREEMPTED, Aborted, StopSignals, StoppedInSetup, ignore_stop_signals,
+                               stopped_line)
+from pretrain.summary import RunRecord, TrainState
 
 class NonFiniteError(RuntimeError):
     """Non-finite updates keep coming back after reloading the last good checkpoint."""
-
-
-class Aborted(Exception):
-    """Ctrl-C pressed again while the trainer was finishing its step to save."""
-
-
-class StoppedInSetup(Stopped):
-    """SIGTERM or SIGUSR1 before the first step, raised where setup was (Ctrl-C raises
-    KeyboardInterrupt)."""
-
-
-@dataclass
-class TrainState:
-    """Progress of a run, saved in every checkpoint's client state (the data position is the
-    loader's own state, saved next to it)."""
-
-    step: int = 0
-    """Optimizer steps taken (skipped ones included: their data was consumed)."""
-    tokens_seen: int = 0
-    """Training tokens consumed by all ranks."""
-    skipped_steps: int = 0
-    """Updates skipped because a loss or the gradient norm was not finite."""
-    reloads: int = 0
-    """Reloads of the last good checkpoint after repeated non-finite updates."""
-    last_train_loss: float | None = None
-    """Mean training loss of the latest applied step."""
-    last_val_loss: float | None = None
-    """Validation loss of the latest evaluation."""
-    best_val_loss: float | None = None
-    """Lowest validation loss so far."""
-    think_losses: list[float] | None = None
-    """EBT: val loss after 1..N inference steps at the latest evaluation."""
-    wall_time_s: float = 0.0
-    """Seconds spent in this run up to the latest checkpoint, summed over resumed segments."""
-
-    @classmethod
-    def from_saved(cls, saved: dict) -> TrainState:
-        """The state as a checkpoint holds it (keys of older versions that are gone ignored)."""
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in saved.items() if k in names})
 
 
 class Trainer:
@@ -123,38 +69,10 @@ class Trainer:
         self.downstream: dict[str, float] = {}
         """The latest downstream scalars (eval.downstream), for summary.json."""
         self.resume_notes: list[str] = []
-        self.batches = None
-        self.data = None
-        self.manifest = None
-        self.faults_fired: set[int] = set()
+        self.batches = self.data = self.manifest = None
+        self.faults = Faults(cfg.fault, self.rank)
         self.session_start = time.perf_counter()
-        self.stop_signal, self.stop_time = 0, 0.0
-        self.looping = False
-        """True from the first step on: a stop signal then saves after the step."""
-        self.pid = os.getpid()
-        self.previous_handlers = {signum: signal.signal(signum, self._on_signal) for signum in STOP_SIGNALS}
-
-    def _on_signal(self, signum, frame) -> None:
-        """In the loop, note the request: the loop saves and stops after the current step, and
-        Ctrl-C again (not the same keypress delivered twice) aborts at once. Before it, stop at
-        once: nothing is trained, so nothing is lost, and setup can take hours (preparing the
-        data)."""
-        if os.getpid() != self.pid:
-            # a process forked from the trainer (the data preparation's tokenizers, loader
-            # workers) keeps this handler: the stop is the trainer's to make, not theirs
-            return
-        if not self.looping:
-            if not self.stop_signal:  # the same keypress delivered twice stops setup once
-                self.stop_signal = signum
-                raise KeyboardInterrupt if signum == signal.SIGINT else StoppedInSetup(signum)
-            return
-        if self.stop_signal and signum == signal.SIGINT and time.monotonic() - self.stop_time > REPEAT_SIGINT_S:
-            raise Aborted()
-        if not self.stop_signal:
-            self.stop_signal, self.stop_time = signum, time.monotonic()
-            if signum == signal.SIGINT and self.rank == 0:
-                print("interrupted: finishing this step and saving a checkpoint (Ctrl-C again to "
-                      "abort without saving)", file=sys.stderr, flush=True)
+        self.stops = StopSignals(self.rank)
 
     # --- setup ----------------------------------------------------------------------------
 
@@ -175,9 +93,7 @@ class Trainer:
         self.loader = build_loader(data.path, "train", micro_batch_size=data.micro_batch_size,
                                    seed=cfg.seed, shuffle=True, num_workers=data.num_workers,
                                    pin_memory=self.on_gpu, mixture=data.mixture)
-        # Schedulers signal every process of the job, loader workers included, and a worker
-        # dead of SIGTERM fails the batch the step still needs; the trainer handles preemption.
-        self.loader.dataloader.worker_init_fn = _ignore_stop_signals
+        self.loader.dataloader.worker_init_fn = ignore_stop_signals  # the trainer handles them
         self.val_loader = None  # a dataset without a val split, with eval.interval=0: no evaluation
         if evaluates(cfg, manifest, self.world_size):
             self.val_loader = build_loader(data.path, "val", micro_batch_size=data.micro_batch_size,
@@ -225,7 +141,7 @@ class Trainer:
         # before the engine partitions the parameters; a resumed run gets its weights from its checkpoint
         if cfg.model.init_from and self.checkpoints.resume_from is None:
             from pretrain.hf.load import load_pretrained_weights
-            from pretrain.trained import LoadError
+            from pretrain.weights import LoadError
 
             try:
                 self.resume_notes += load_pretrained_weights(model, cfg.model.init_from)
@@ -285,7 +201,7 @@ class Trainer:
         cfg = self.cfg
         consecutive_skips = 0
         last_eval = last_save = -1
-        self.looping = True
+        self.stops.looping = True
         while self.state.step < self.total_steps:
             update = self.state.step + 1
             # the first update too, so that curves and console show where the loss started
@@ -316,8 +232,7 @@ class Trainer:
                 last_eval = step
             if result.stop:
                 self.save()
-                cause = signal.Signals(self.stop_signal).name if self.stop_signal else "another rank's signal"
-                self.metrics.print(f"stopping at step {step} on {cause}: checkpoint saved, exit "
+                self.metrics.print(f"stopping at step {step} on {self.stops.cause()}: checkpoint saved, exit "
                                    f"code {EXIT_PREEMPTED}; rerun the same command to resume")
                 self.metrics.close()
                 return EXIT_PREEMPTED
@@ -355,7 +270,7 @@ class Trainer:
             targets = targets.to(self.device, non_blocking=True)
             last_micro = micro == self.grad_accum - 1
             out = engine(inputs, targets, return_energies=log_now and last_micro)
-            loss = self._maybe_inject_fault(out.loss.float(), step + 1)
+            loss = self.faults.loss(out.loss.float(), step + 1)
             finite = torch.isfinite(loss)
             nonfinite += ~finite
             loss_sum += torch.where(finite, loss.detach(), 0.0)
@@ -366,7 +281,7 @@ class Trainer:
                 diagnostics = diagnostic_scalars(out.diagnostics, family_name(self.model_config))
             engine.step()
 
-        stop_requested = torch.tensor(float(self.stop_signal != 0), device=self.device)
+        stop_requested = torch.tensor(float(self.stops.signum != 0), device=self.device)
         stats = torch.stack([loss_sum, nonfinite, stop_requested])
         dist.all_reduce(stats)
         loss_total, nonfinite_total, stop = stats.tolist()
@@ -382,14 +297,6 @@ class Trainer:
                             data_wait_s=data_wait, tokens=cfg.tokens_per_step)
         self.throughput.add(result)
         return result
-
-    def _maybe_inject_fault(self, loss: torch.Tensor, step: int) -> torch.Tensor:
-        """Test-only (config section `fault`): NaN loss on one rank, once per listed step."""
-        fault = self.cfg.fault
-        if step in fault.nan_loss_steps and self.rank == fault.nan_loss_rank and step not in self.faults_fired:
-            self.faults_fired.add(step)
-            return loss * math.nan
-        return loss
 
     def _reload_after_nonfinite(self, skips: int) -> None:
         where = f"{skips} consecutive non-finite updates up to step {self.state.step}"
@@ -416,13 +323,12 @@ class Trainer:
         for name in ("batches", "loader", "val_loader", "engine"):
             self.__dict__.pop(name, None)
         gc.collect()
-        for signum, handler in self.previous_handlers.items():
-            signal.signal(signum, handler)
+        self.stops.restore()
 
     # --- evaluation and summary -----------------------------------------------------------
 
     def run_eval(self) -> EvalResult:
-        from data_pipeline.tokenizer import decode, token_byte_lengths
+        from data_pipeline.tokenizer import decode, decode_padded, token_byte_lengths
 
         def text(ids: list[int]) -> str:
             return decode_padded(lambda run: decode(self.manifest, run), ids, self.manifest["vocab_size"])
@@ -432,20 +338,13 @@ class Trainer:
                           seed=self.cfg.seed, decode=text,
                           token_bytes=None if byte_lengths is None else torch.from_numpy(byte_lengths).to(self.device))
         state = self.state
-        state.last_val_loss = result.loss
-        state.best_val_loss = result.loss if state.best_val_loss is None else min(state.best_val_loss, result.loss)
-        state.think_losses = result.think_losses
+        state.record_eval(result.loss, result.think_losses)
         self.metrics.scalars(state.step, result.scalars())
-        line = f"eval at step {state.step}: val loss {result.loss:.4f}, ppl {math.exp(min(result.loss, 50)):.2f}"
-        if result.bpb is not None:
-            line += f", {result.bpb:.4f} bits/byte"
-        if result.think_losses:
-            line += ", thinking curve " + " ".join(f"{x:.3f}" for x in result.think_losses)
-        self.metrics.print(line)
+        self.metrics.print(f"eval at step {state.step}: {result.line()}")
         if result.sample is not None:
             self.metrics.text(state.step, "eval/sample", result.sample)
-        self.downstream.update(evaluate_in_training(self.engine.module, self.cfg.eval.downstream, self.manifest,
-                                                    state.step, state.step >= self.total_steps, self.metrics.scalars))
+        self.downstream.update(evaluate_downstream(self.engine.module, self.cfg.eval.downstream, self.manifest,
+                                                   state.step, state.step >= self.total_steps, self.metrics.scalars))
         return result
 
     def write_summary(self) -> None:
@@ -470,11 +369,6 @@ class Trainer:
         ).save(self.run_dir)
 
 
-def _ignore_stop_signals(worker_id: int) -> None:
-    for signum in STOP_SIGNALS:
-        signal.signal(signum, signal.SIG_IGN)
-
-
 def run(cfg: RunConfig) -> int:
     """Train `cfg` in this process (one rank of the job); returns the exit code."""
     trainer = Trainer(cfg)
@@ -497,8 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.world_size is not None and args.world_size < 1:
         parser.error(f"argument --world-size: must be >= 1, got {args.world_size}")
-    from data_pipeline.sources import DataError
-    from pretrain.torchrun import write_exit_file
+    from data_pipeline.errors import DataError
 
     error = ""
     try:
@@ -513,16 +406,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError, NonFiniteError, CheckpointError) as e:
         error = f"error: {e}"
         code = 2 if isinstance(e, (ConfigError, DataError)) else 1
-    except Aborted:
-        error = ("error: interrupted again: stopped without saving; rerun the same command to "
-                 "resume from the last checkpoint")
-        code = EXIT_ABORTED
-    except StoppedInSetup as e:  # 75, the requeue code: the rerun starts where this one would have
-        error = (f"error: stopped by {signal.Signals(e.signum).name} while setting up, before the first "
-                 "step (nothing to save); rerun the same command to resume")
-        code = EXIT_PREEMPTED
-    except KeyboardInterrupt:  # before the first step, or before the trainer's handler was installed
-        error, code = INTERRUPTED_LINE, INTERRUPTED
+    except (Aborted, StoppedInSetup, KeyboardInterrupt) as stop:  # KeyboardInterrupt: before the first step
+        error, code = stopped_line(stop)
     if error and int(os.environ.get("RANK", "0")) == 0:
         print(error, file=sys.stderr, flush=True)
     if dist.is_initialized():

@@ -21,16 +21,14 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from common.fileio import read_json
 from pretrain import checkpoint
 from pretrain.config import to_dict
-from pretrain.fileio import read_json
+from pretrain.hf.load import read_export, tensors_for
 from pretrain.models import build, family_name, resolve
+from pretrain.weights import LoadError, load_weights, read_safetensors
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-class LoadError(ValueError):
-    """A source that holds no usable trained model; the message is one line."""
 
 
 @dataclass
@@ -113,52 +111,6 @@ def _read_manifest(data_path: str | None) -> dict | None:
     return read_json(file, LoadError) if file.is_file() else None
 
 
-def read_safetensors(file: Path, export_only: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """(tensors, metadata) of a safetensors file; LoadError when it is not one or is damaged (cut
-    short, a broken header), and with `export_only` when it is not a `pretrain.export` file (no
-    flavor in its metadata), before its tensors are read. The format has no checksum: changed
-    tensor bytes go unseen."""
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(str(file), framework="pt") as f:
-            metadata = f.metadata() or {}
-            if export_only and "flavor" not in metadata:
-                raise LoadError(f"{file}: not a model exported by pretrain.export (no flavor in its metadata)")
-            return {name: f.get_tensor(name) for name in f.keys()}, metadata
-    except (SafetensorError, OSError) as e:
-        raise LoadError(f"{file}: not a readable safetensors file ({e})") from None
-
-
-def load_weights(model: nn.Module, tensors: dict[str, torch.Tensor], source: Path,
-                 origin: dict[str, str] | None = None) -> None:
-    """Load `tensors` (keys of `model.state_dict()`) into `model`: every parameter must be there
-    with its shape and nothing else may be (the message names the tensor, as `origin` maps our
-    key to the source's name); buffers the source lacks keep their values (training state such
-    as EBT's replay buffer, which Hugging Face exports leave out)."""
-    origin = origin or {}
-    expected = model.state_dict()
-    for name, t in tensors.items():
-        if name not in expected:
-            raise LoadError(f"{source}: tensor {origin.get(name, name)} {list(t.shape)} has no counterpart "
-                            "in the model")
-        if t.shape != expected[name].shape:
-            raise LoadError(f"{source}: tensor {origin.get(name, name)} has shape {list(t.shape)}, the "
-                            f"model needs {list(expected[name].shape)} ({name})")
-    # tied weights appear under several names; the source may hold any one of them
-    aliases: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(p), []).append(name)
-    state = {**expected, **tensors}
-    for names in aliases.values():
-        present = [n for n in names if n in tensors]
-        if not present:
-            raise LoadError(f"{source}: no tensor for the model's parameter {names[0]}")
-        for n in names:
-            state[n] = tensors[present[0]]
-    model.load_state_dict({name: t.to(expected[name].dtype) for name, t in state.items()}, strict=True)
-
-
 def inference_device(name: str | torch.device) -> torch.device:
     """The device `name` names (cpu, cuda, cuda:N), if this machine has it; LoadError if not."""
     try:
@@ -185,8 +137,6 @@ def load_trained(source: str | Path, device: str | torch.device = "cpu", dtype: 
         run_config = json.loads(metadata.get("run_config", "{}"))
         step = int(metadata.get("step", 0))
     elif (path / "config.json").is_file():
-        from pretrain.hf.load import read_export
-
         run = read_export(path)
         flavor, raw_model_config, step, run_config = run["flavor"], run["model_config"], run["step"], run["run_config"]
         manifest = run["manifest"]  # carried along: the data directory may not exist where it is used
@@ -201,8 +151,6 @@ def load_trained(source: str | Path, device: str | torch.device = "cpu", dtype: 
     model = build(model_cfg)
     origin = None
     if state is None:
-        from pretrain.hf.load import tensors_for
-
         state, origin, _ = tensors_for(path, model_cfg)
     load_weights(model, state, path, origin)
     model.to(device=device, dtype=DTYPES[dtype]).eval()

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
+from common.fileio import atomic_write
 from pretrain import checkpoint
-from pretrain.fileio import atomic_write
 
 
 def make(ckpt_dir, step, complete=True):

@@ -27,7 +27,7 @@ import torch
 import trainer_runs as runs
 from numerics import assert_rounding_close
 from pretrain import export
-from pretrain.hf.export import ExportError, carried_sources, export_hf
+from pretrain.export_hf import ExportError, carried_sources, export_hf
 from pretrain.hf.load import load_pretrained_weights
 from pretrain.models import build, resolve
 from pretrain.trained import LoadError, TrainedModel, load_trained

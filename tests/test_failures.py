@@ -255,38 +255,38 @@ def test_a_stop_signal_during_setup_stops_it_at_once(tmp_path, launcher, signum,
 
 
 def test_a_second_ctrl_c_aborts_but_the_same_keypress_twice_does_not(monkeypatch):
-    from pretrain.train import REPEAT_SIGINT_S, Aborted, Trainer
+    from pretrain.stopping import REPEAT_SIGINT_S, Aborted, StopSignals
 
-    trainer = Trainer.__new__(Trainer)  # only the signal state; nothing else is set up
-    trainer.stop_signal, trainer.stop_time, trainer.rank, trainer.looping = 0, 0.0, 0, True
-    trainer.pid = os.getpid()
+    stops = StopSignals.__new__(StopSignals)  # only the signal state; no handler installed
+    stops.signum, stops.time, stops.rank, stops.looping = 0, 0.0, 0, True
+    stops.pid = os.getpid()
     clock = [100.0]
     monkeypatch.setattr(time, "monotonic", lambda: clock[0])
-    trainer._on_signal(signal.SIGINT, None)
-    assert trainer.stop_signal == signal.SIGINT
+    stops._on_signal(signal.SIGINT, None)
+    assert stops.signum == signal.SIGINT
     clock[0] += REPEAT_SIGINT_S / 4  # torchrun forwarding the same Ctrl-C
-    trainer._on_signal(signal.SIGINT, None)
+    stops._on_signal(signal.SIGINT, None)
     clock[0] += REPEAT_SIGINT_S
     with pytest.raises(Aborted):
-        trainer._on_signal(signal.SIGINT, None)
+        stops._on_signal(signal.SIGINT, None)
 
 
 def test_before_the_first_step_a_stop_signal_raises_once():
-    from pretrain.train import StoppedInSetup, Trainer
+    from pretrain.stopping import StopSignals, StoppedInSetup
 
-    trainer = Trainer.__new__(Trainer)
-    trainer.stop_signal, trainer.stop_time, trainer.rank, trainer.looping = 0, 0.0, 0, False
-    trainer.pid = os.getpid()
+    stops = StopSignals.__new__(StopSignals)
+    stops.signum, stops.time, stops.rank, stops.looping = 0, 0.0, 0, False
+    stops.pid = os.getpid()
     with pytest.raises(StoppedInSetup) as stopped:
-        trainer._on_signal(signal.SIGTERM, None)
+        stops._on_signal(signal.SIGTERM, None)
     assert stopped.value.signum == signal.SIGTERM
-    trainer._on_signal(signal.SIGINT, None)  # a second signal while setup unwinds: ignored
-    trainer.stop_signal = 0
+    stops._on_signal(signal.SIGINT, None)  # a second signal while setup unwinds: ignored
+    stops.signum = 0
     with pytest.raises(KeyboardInterrupt):
-        trainer._on_signal(signal.SIGINT, None)
-    trainer.stop_signal, trainer.pid = 0, os.getpid() + 1  # as in a process forked from the trainer
-    trainer._on_signal(signal.SIGTERM, None)
-    assert trainer.stop_signal == 0  # the stop is the trainer's, not the forked process's
+        stops._on_signal(signal.SIGINT, None)
+    stops.signum, stops.pid = 0, os.getpid() + 1  # as in a process forked from the trainer
+    stops._on_signal(signal.SIGTERM, None)
+    assert stops.signum == 0  # the stop is the trainer's, not the forked process's
 
 
 def importing_torch(proc: subprocess.Popen, module: str) -> int:

@@ -17,7 +17,7 @@ from lm_eval.api.model import LM
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
-from pretrain.evaluate import decode_padded
+from data_pipeline.tokenizer import decode_padded
 
 TEXT_TOKENIZERS = ("gpt2",)
 """Tokenizers that can encode arbitrary English text (the char and ListOps vocabularies cannot)."""

@@ -300,7 +300,7 @@ def summary_rows(rows: list[Row]) -> list[Row]:
 
 
 def table(rows: list[Row]) -> str:
-    from pretrain.fileio import markdown_table
+    from common.fileio import markdown_table
 
     thinking = any(r.think_steps is not None or r.best_of != 1 for r in rows)
     lines = []

@@ -7,15 +7,15 @@ from typing import Any
 
 import torch
 
+from common.fileio import read_json
 from pretrain.hf import native
 from pretrain.models import family_name
-from pretrain.fileio import read_json
-from pretrain.trained import LoadError, load_weights, read_safetensors
+from pretrain.weights import LoadError, load_weights, read_safetensors
 
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 RUN_FILE = "training_run.json"
-"""Written by the export (`pretrain.hf.export`): what the directory was made from."""
+"""Written by the export (`pretrain.export_hf`): what the directory was made from."""
 CODE_PREFIX = "model."
 """State-dict prefix of the exports that carry their code (`modeling.ExportedForCausalLM.model`)."""
 

@@ -2,8 +2,9 @@
 
 Importing this package imports every family module, which registers its flavors."""
 from pretrain.models.common import LanguageModel, ModelOutput
-from pretrain.models.registry import FLAVORS, build, family_name, model_class, resolve
+from pretrain.models.registry import FLAVORS, build, family_name, model_class, padded_vocab, resolve
 from pretrain.models import gpt, nrgpt  # noqa: F401  (registers flavors)
 from pretrain.models import ebt, llama  # noqa: F401  (registers flavors)
 
-__all__ = ["FLAVORS", "LanguageModel", "ModelOutput", "build", "family_name", "model_class", "resolve"]
+__all__ = ["FLAVORS", "LanguageModel", "ModelOutput", "build", "family_name", "model_class", "padded_vocab",
+           "resolve"]

@@ -10,9 +10,8 @@ import dataclasses
 
 import torch
 
-from pretrain.cli import ArgumentParser, run_command
-from pretrain.config import padded_vocab
-from pretrain.models import FLAVORS, build
+from common.cli import ArgumentParser, run_command
+from pretrain.models import FLAVORS, build, padded_vocab
 
 
 def flavor_rows(dataset_vocab: int | None = None) -> list[tuple[str, str, int, int, int, int, float]]:

@@ -36,6 +36,11 @@ def resolve(flavor: str, overrides: dict[str, Any] | None = None) -> Any:
     return dataclasses.replace(config, **(overrides or {}))
 
 
+def padded_vocab(dataset_vocab_size: int) -> int:
+    """The model's embedding rows for a dataset vocabulary: a multiple of 64 for fast matmuls."""
+    return -(-dataset_vocab_size // 64) * 64
+
+
 def model_class(config: Any) -> type[nn.Module]:
     """The model class of the family that `config` belongs to."""
     try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from pretrain.cli import ArgumentParser, run_command
+from common.cli import ArgumentParser, run_command
 from pretrain.scaling import launch, report
 from pretrain.scaling.experiments import EXPERIMENTS
 from pretrain.scaling.registry import load_registry

@@ -26,6 +26,25 @@ slope of its frontier L*(C) over the compared compute range."""
 
 
 @dataclass(frozen=True)
+class Law:
+    """One of the laws fitted per family: the metric against N, C or D of a `Point`."""
+
+    symbol: str
+    """N, D or C."""
+    name: str
+    """Word used in tags and file names."""
+    label: str
+    """Axis label."""
+
+
+LAWS = (
+    Law("N", "params", "parameters N"),
+    Law("C", "flops", "training FLOPs C"),
+    Law("D", "tokens", "training tokens D"),
+)
+
+
+@dataclass(frozen=True)
 class Point:
     """One run (or one cell's best run) as the fits see it."""
 

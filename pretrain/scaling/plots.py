@@ -12,6 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
+from pretrain.scaling.analysis import LAWS
+
 TB_STEPS_PER_DECADE = 1000
 """A point at x is logged at step round(1000 * log10 x)."""
 _CURVE_POINTS = 64
@@ -46,8 +48,6 @@ def _log_axes(ax, xlabel: str, ylabel: str = "loss", log_y: bool = True) -> None
 
 def laws_figure(analysis):
     """Log-log loss against each fitted one-variable law's x, every group in one panel per law."""
-    from pretrain.scaling.report import LAWS
-
     plt = pyplot()
     laws = [law for law in LAWS if any(f.law == law and f.full is not None
                                        for f in analysis.laws)] or [LAWS[0]]
@@ -218,8 +218,6 @@ def write_tensorboard(tb_dir: Path, analysis, images: dict[str, Path], table_md:
     (`scaling/fits`)."""
     import matplotlib.image
     from torch.utils.tensorboard import SummaryWriter
-
-    from pretrain.scaling.report import LAWS
 
     layout = {}
     for law in LAWS:

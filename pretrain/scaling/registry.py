@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pretrain.fileio import read_json
+from common.fileio import read_json
 from pretrain.summary import SUMMARY_FILE, RunRecord
 
 CONFIG_FILE = "config.yaml"

@@ -23,13 +23,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from common.fileio import markdown_table
 from pretrain.scaling.allocation import GAIN_SEARCH_DECADES, N_SEARCH_DECADES
-from pretrain.scaling.analysis import (EXPONENTS, Comparison, FamilyAnalysis, Point,
+from pretrain.scaling.analysis import (EXPONENTS, LAWS, Comparison, FamilyAnalysis, Law, Point,
                                        analyse_family, compare, too_few_message)
 from pretrain.scaling.fit import MIN_POINTS, FitResult, TooFewPoints, fit_power_law, rate_difference
 from pretrain.scaling.joint import percentile_interval
 from pretrain.scaling.registry import Registry, find_run_dirs, load_registry
-from pretrain.fileio import markdown_table
 from pretrain.summary import RunRecord
 
 METRICS = ("best_val_loss", "final_val_loss", "final_train_loss")
@@ -37,23 +37,6 @@ METRICS = ("best_val_loss", "final_val_loss", "final_train_loss")
 PARAM_COUNTS = ("non_embedding", "total")
 BASELINE_FAMILY = {"gpt_rec": "gpt", "nrgpt": "gpt", "ebt": "transformer_pp"}
 """The papers' comparisons: NRGPT and GPT_Rec against GPT, EBT against Transformer++."""
-
-
-@dataclass(frozen=True)
-class Law:
-    symbol: str
-    """N, D or C."""
-    name: str
-    """Word used in tags and file names."""
-    label: str
-    """Axis label."""
-
-
-LAWS = (
-    Law("N", "params", "parameters N"),
-    Law("C", "flops", "training FLOPs C"),
-    Law("D", "tokens", "training tokens D"),
-)
 
 
 @dataclass

@@ -22,9 +22,9 @@ from typing import Any
 
 import yaml
 
-from pretrain.fileio import atomic_write_text, read_json
-from pretrain.typed import load_yaml, parse_override, read_typed
+from common.fileio import atomic_write_text, read_json
 from pretrain.scaling.registry import SUMMARY_FILE, SWEEP_FILE
+from pretrain.typed import load_yaml, parse_override, read_typed
 
 
 @dataclass

@@ -12,10 +12,10 @@ from typing import Any, Callable
 
 import torch
 
-from pretrain.fileio import atomic_write_text, read_json
+from common.fileio import atomic_write_text, read_json
 from pretrain.scaling import launch
-from pretrain.scaling.registry import RunRecord
 from pretrain.scaling.plots import pyplot
+from pretrain.scaling.registry import RunRecord
 from pretrain.scaling.sweep import RunSpec, Sweep, load_sweep
 
 EVAL_FILE = "experiment_eval.json"

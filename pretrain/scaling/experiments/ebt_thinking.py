@@ -14,7 +14,7 @@ from itertools import islice
 
 import torch
 
-from pretrain.fileio import markdown_table
+from common.fileio import markdown_table
 from pretrain.scaling.experiments.common import (train_and_evaluate,
                                                  trained_model, write_results)
 from pretrain.scaling.plots import pyplot

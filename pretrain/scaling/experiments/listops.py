@@ -19,9 +19,9 @@ from collections import defaultdict
 import torch
 import torch.nn.functional as F
 
+from common.fileio import markdown_table
 from data_pipeline.listops import listops_test_examples
 from data_pipeline.loader import read_manifest
-from pretrain.fileio import markdown_table
 from pretrain.scaling.experiments.common import (train_and_evaluate,
                                                  trained_model, write_results)
 from pretrain.scaling.plots import pyplot

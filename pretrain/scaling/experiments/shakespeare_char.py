@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from common.fileio import markdown_table
 from data_pipeline.prepare import ensure_prepared
 from pretrain.config import load_config
-from pretrain.fileio import markdown_table
 from pretrain.scaling.experiments.common import (mean_loss, scalar_curve, train_and_evaluate,
                                                  trained_model, write_results)
 from pretrain.scaling.plots import pyplot

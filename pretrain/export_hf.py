@@ -6,10 +6,11 @@
     DIR/training_run.json                                         flavor, config, step, run config, data manifest
     DIR/*.py                                                      gpt_rec, nrgpt, ebt: the modeling code
 
-gpt and transformer_pp become native GPT2LMHeadModel / LlamaForCausalLM (`native.py`) where that
-class computes exactly our model. The others carry their code: the family's module from pretrain/models/ and every module of that
-package it imports, with those imports made relative, the generic wrapper `modeling.py`, and a
-generated `modeling_<family>.py` that binds the two, registered for the auto classes."""
+gpt and transformer_pp become native GPT2LMHeadModel / LlamaForCausalLM (`hf/native.py`) where
+that class computes exactly our model. The others carry their code: the family's module from
+pretrain/models/ and every module of that package it imports, with those imports made relative,
+the generic wrapper `hf/modeling.py`, and a generated `modeling_<family>.py` that binds the two,
+registered for the auto classes."""
 from __future__ import annotations
 
 import ast
@@ -26,7 +27,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from pretrain.fileio import atomic_directory, markdown_table, read_json
+from common.fileio import atomic_directory, markdown_table, read_json
 from pretrain.hf import native
 from pretrain.hf.load import CODE_PREFIX, RUN_FILE
 from pretrain.models import build, family_name, model_class

@@ -9,6 +9,7 @@ import contextlib
 import os
 import signal
 import sys
+from pathlib import Path
 from typing import Callable, Iterator, NoReturn
 
 INTERRUPTED = 130
@@ -19,6 +20,9 @@ INTERRUPTED_LINE = "error: interrupted"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 """What stops a command: a scheduler's SIGTERM (preemption, scancel) and SIGUSR1 (the warning
 before the time limit), and Ctrl-C."""
+EXIT_DIR_VARIABLE = "PRETRAIN_EXIT_DIR"
+"""Set by the launcher (`pretrain.torchrun`): where each rank writes its exit code and error line
+before exiting (a file named by its rank)."""
 
 
 class Stopped(BaseException):
@@ -71,6 +75,13 @@ def run_command(main: Callable[[], int | None]) -> None:
     sys.exit(code)
 
 
+def write_exit_file(code: int, line: str = "") -> None:
+    """Called by every rank of the trainer as it exits: its code and error line for the launcher."""
+    directory = os.environ.get(EXIT_DIR_VARIABLE)
+    if directory:
+        Path(directory, os.environ.get("RANK", "0")).write_text(f"{code}\n{line}")
+
+
 def end_interrupted_starts_in_one_line() -> None:
     """Called by the packages' `__init__`. A command's module imports torch and DeepSpeed for
     seconds before its main() runs, so a Ctrl-C then is caught by nobody and Python prints a
@@ -87,8 +98,6 @@ def end_interrupted_starts_in_one_line() -> None:
             return
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # torchrun forwards the same Ctrl-C again
         say_interrupted()
-        from pretrain.torchrun import write_exit_file
-
         write_exit_file(INTERRUPTED, INTERRUPTED_LINE)
         with contextlib.suppress(OSError, ValueError):
             sys.stdout.flush()
