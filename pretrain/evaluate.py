@@ -133,12 +133,6 @@ def evaluate(engine, val_loader, settings: EvalSection, device: torch.device, se
                       langevin_noise_std=model.eval_noise_std(), bpb=bpb)
 
 
-# --- the downstream command ------------------------------------------------------------------
-
-def downstream_due(settings: DownstreamSection, step: int, final: bool) -> bool:
-    return bool(settings.tasks) and (final or (settings.interval > 0 and step % settings.interval == 0))
-
-
 def evaluate_downstream(model: torch.nn.Module, settings: DownstreamSection, manifest: dict, step: int,
                         final: bool, log: Callable[[int, dict[str, float]], None]) -> dict[str, float]:
     """Downstream evaluation inside a training run (`eval.downstream`): when due at `step`,
@@ -146,7 +140,7 @@ def evaluate_downstream(model: torch.nn.Module, settings: DownstreamSection, man
     documents of each task, the same ones every time, on every rank with identical calls
     (ZeRO-3's forward gathers parameters collectively); `log(step, scalars)` (the scalars the
     command writes) and return them. Otherwise {}."""
-    if not downstream_due(settings, step, final):
+    if not settings.tasks or not (final or (settings.interval > 0 and step % settings.interval == 0)):
         return {}
     from data_pipeline.tokenizer import tokenizer_from_spec
     from pretrain.downstream import harness
@@ -158,6 +152,8 @@ def evaluate_downstream(model: torch.nn.Module, settings: DownstreamSection, man
     log(step, values)
     return values
 
+
+# --- the downstream command ------------------------------------------------------------------
 
 def _positive_int(text: str) -> int:
     value = int(text)

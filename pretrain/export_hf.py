@@ -28,6 +28,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from common.fileio import atomic_directory, markdown_table, read_json
+from pretrain.evaluate import results_file
 from pretrain.hf import native
 from pretrain.hf.load import CODE_PREFIX, RUN_FILE
 from pretrain.models import build, family_name, model_class
@@ -327,8 +328,6 @@ def _run_summary(trained: TrainedModel) -> dict | None:
 def _evaluation(trained: TrainedModel) -> dict | None:
     """The results `python -m pretrain.evaluate` wrote for the exported weights where it writes
     them by default (RUN_DIR/downstream/<tag>.json for a run's checkpoint), if any."""
-    from pretrain.evaluate import results_file
-
     file = results_file(trained.source)
     if not file.is_file():
         return None
