@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from common.cli import STOP_SIGNALS, ArgumentParser, Stopped, run_command, signals_held
+from common.cli import STOP_SIGNALS, ArgumentParser, Stopped, run_command, signals_held, stop_signals_raising
 from common.fileio import atomic_write_text, markdown_table
 
 REPO = Path(__file__).resolve().parent.parent
@@ -412,26 +412,6 @@ def worker() -> int:
                   "error": f"stopped by {signal.Signals(signum).name}"})
         return 128 + signum
     return 0
-
-
-@contextlib.contextmanager
-def stop_signals_raising() -> Iterator[None]:
-    """During the block the first stop signal raises `Stopped` where the process is, and the ones
-    after it are ignored: the process then cleans up and reports without being stopped again
-    halfway. The handlers before it are restored after it. (A worker also leaves the hold on the
-    signals that it inherits from `run_group`.)"""
-    def on_signal(signum, frame) -> None:
-        for stop_signal in STOP_SIGNALS:
-            signal.signal(stop_signal, signal.SIG_IGN)
-        raise Stopped(signum)
-
-    previous = {signum: signal.signal(signum, on_signal) for signum in STOP_SIGNALS}
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
-    try:
-        yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
 
 
 def emit(record: dict) -> None:

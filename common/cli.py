@@ -61,6 +61,26 @@ def signals_held() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
+@contextlib.contextmanager
+def stop_signals_raising(signals: tuple[int, ...] = STOP_SIGNALS) -> Iterator[None]:
+    """During the block the first of `signals` raises `Stopped` where the process is, and the ones
+    after it are ignored: the process then cleans up and reports without being stopped again
+    halfway. The handlers before it are restored after it. (Processes forked inside a
+    `signals_held` block inherit the hold; the block lifts it.)"""
+    def on_signal(signum, frame) -> None:
+        for stop_signal in signals:
+            signal.signal(stop_signal, signal.SIG_IGN)
+        raise Stopped(signum)
+
+    previous = {signum: signal.signal(signum, on_signal) for signum in signals}
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
 def run_command(main: Callable[[], int | None]) -> None:
     """Exit with main()'s status, or with one of the two above instead of a traceback."""
     try:

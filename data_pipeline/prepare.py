@@ -37,7 +37,7 @@ from typing import Iterable, Iterator
 import numpy as np
 from tqdm import tqdm
 
-from common.cli import STOP_SIGNALS, ArgumentParser, Stopped, run_command, signals_held
+from common.cli import STOP_SIGNALS, ArgumentParser, Stopped, run_command, signals_held, stop_signals_raising
 from data_pipeline.errors import DataError
 from data_pipeline.hub import Archive
 from data_pipeline.listops import build_listops_dataset
@@ -549,13 +549,6 @@ def ensure_prepared(path: str, source: str, *, seq_len: int, tokenizer: str = "g
 
 # --- command line --------------------------------------------------------------------------------
 
-def _raise_stopped(signum: int, frame) -> None:
-    for other in STOP_SIGNALS:  # a second signal must not interrupt the cleanup of the first
-        if other != signal.SIGINT:
-            signal.signal(other, signal.SIG_IGN)
-    raise Stopped(signum)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="python -m data_pipeline.prepare", description=__doc__.split("\n\n")[0],
                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -590,16 +583,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     # A scheduler's SIGTERM (or SIGUSR1) ends the run as Ctrl-C does: the tokenizer processes
     # stopped, the staging directory removed, one line. Ctrl-C stays run_command's.
-    stop_signals = [signum for signum in STOP_SIGNALS if signum != signal.SIGINT]
-    previous = {signum: signal.signal(signum, _raise_stopped) for signum in stop_signals}
     try:
-        manifest = prepare(args.source, args.out, seq_len=args.seq_len,
-                           val_fraction=args.val_fraction, num_proc=args.num_proc,
-                           max_docs=args.max_docs, tokenizer=args.tokenizer,
-                           overwrite=args.overwrite, compression=args.compression,
-                           skip_bad_lines=args.skip_bad_lines, text_field=args.text_field,
-                           text_unit=args.text_unit, shard_size=args.shard_size,
-                           revision=args.revision)
+        with stop_signals_raising(tuple(signum for signum in STOP_SIGNALS if signum != signal.SIGINT)):
+            manifest = prepare(args.source, args.out, seq_len=args.seq_len,
+                               val_fraction=args.val_fraction, num_proc=args.num_proc,
+                               max_docs=args.max_docs, tokenizer=args.tokenizer,
+                               overwrite=args.overwrite, compression=args.compression,
+                               skip_bad_lines=args.skip_bad_lines, text_field=args.text_field,
+                               text_unit=args.text_unit, shard_size=args.shard_size,
+                               revision=args.revision)
     except (DataError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
@@ -607,9 +599,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: stopped by {signal.Signals(stop.signum).name}: nothing was written; rerun "
               "the same command to prepare the dataset", file=sys.stderr)
         return 128 + stop.signum
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
     splits = ", ".join(f"{name}: {c['docs']:,} docs, {c['tokens']:,} tokens, {c['windows']:,} "
                        f"windows" for name, c in manifest["splits"].items())
     print(f"{args.out}: {manifest['tokenizer']} vocab {manifest['vocab_size']}, "
