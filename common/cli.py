@@ -53,12 +53,26 @@ def signals_held() -> Iterator[None]:
     it ends. For steps that an exception raised by a handler would leave half-done: a process
     pool's first submit starts its workers, then its manager thread, and interrupted in between
     the pool cannot be shut down. Processes forked inside the block inherit the hold, and must
-    clear it."""
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    clear it.
+
+    Blocking the signals is not enough: another thread (one that does not block them) can take
+    a signal, and Python then runs the handler in the main thread at its next chance, inside
+    the block (even inside a fork's at-fork hooks, where the exception is lost). So the block
+    also swaps in handlers that only note the signal, and delivers the noted ones again at its
+    end, to the handlers it restores."""
+    noted: list[int] = []
+    previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    previous_handlers = {}
     try:
+        for signum in STOP_SIGNALS:
+            previous_handlers[signum] = signal.signal(signum, lambda signum, frame: noted.append(signum))
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        for signum, handler in previous_handlers.items():
+            signal.signal(signum, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
+        for signum in noted:
+            signal.raise_signal(signum)
 
 
 @contextlib.contextmanager
