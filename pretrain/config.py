@@ -86,7 +86,9 @@ class DataSection:
     val_fraction: float = 0.0005
     """Fraction of documents held out for validation when preparing from `source`."""
     micro_batch_size: int = 8
-    """Sequences per forward/backward pass on one process."""
+    """The most sequences one process passes forward and backward at once (what fits on one
+    GPU). The trainer uses the largest micro-batch up to this that splits the global batch
+    evenly at the run's world size (see `batch_split`)."""
     num_workers: int = 2
     """Data loader worker processes per training process."""
     allow_change: bool = False
@@ -153,8 +155,12 @@ class TrainSection:
     max_tokens: int | None = None
     """Budget in training tokens (rounded up to whole optimizer steps)."""
     global_batch_size: int = 8
-    """Sequences per optimizer step over all processes; gradient accumulation makes up the
-    difference to micro_batch_size x world size, so it stays fixed when the world size changes."""
+    """Sequences per optimizer step over all processes. Fixed whatever the world size: the
+    micro-batch and gradient accumulation adapt to it (see `batch_split`); it must be divisible
+    by the number of processes."""
+    device: str = "auto"
+    """"auto": a GPU when torch can use one, else the CPU; "cuda": a GPU, or stop with an error
+    (a cluster run that silently trained on CPU in fp32 would waste its allocation)."""
     precision: str = "auto"
     """"auto" (bf16 on GPU, fp32 on CPU), "fp32", "bf16" or "fp16" (GPU only)."""
     log_interval: int = 10
@@ -366,8 +372,41 @@ def resolved_precision(cfg: RunConfig, has_gpu: bool) -> str:
     return cfg.train.precision
 
 
-def gradient_accumulation_steps(cfg: RunConfig, world_size: int) -> int:
-    return cfg.train.global_batch_size // (cfg.data.micro_batch_size * world_size)
+@dataclass(frozen=True)
+class BatchSplit:
+    """How one optimizer step's global batch is split: global = micro x world x accumulation."""
+    micro_batch_size: int
+    accumulation_steps: int
+
+
+def batch_split(cfg: RunConfig, world_size: int) -> BatchSplit:
+    """The split of the global batch at `world_size` processes with the largest micro-batch up
+    to data.micro_batch_size: the global batch (the science) stays as configured at any GPU count
+    that divides it. Raises ConfigError naming the nearest GPU counts that do."""
+    global_batch = cfg.train.global_batch_size
+    if global_batch % world_size:
+        divisors = [n for n in range(1, global_batch + 1) if global_batch % n == 0]
+        fewer = [n for n in divisors if n < world_size][-2:]
+        more = [n for n in divisors if n > world_size][:2]
+        raise ConfigError(
+            f"train.global_batch_size={global_batch}: {world_size} processes cannot share it evenly; "
+            f"use a GPU count that divides it ({', '.join(map(str, fewer + more))} are the nearest), "
+            "or a global batch that the GPU count divides")
+    per_process = global_batch // world_size
+    micro = max(m for m in range(1, min(cfg.data.micro_batch_size, per_process) + 1) if per_process % m == 0)
+    return BatchSplit(micro_batch_size=micro, accumulation_steps=per_process // micro)
+
+
+def describe_batch_split(cfg: RunConfig, world_size: int) -> str:
+    """The split for the console: the trainer's choice, and why when it is not the configured one."""
+    split = batch_split(cfg, world_size)
+    line = (f"global batch {cfg.train.global_batch_size} = micro-batch {split.micro_batch_size} x "
+            f"{world_size} process(es) x {split.accumulation_steps} accumulation step(s)")
+    if split.micro_batch_size < cfg.data.micro_batch_size:
+        line += (f" (data.micro_batch_size={cfg.data.micro_batch_size} is the most; "
+                 f"{cfg.train.global_batch_size // world_size} sequences per process split evenly "
+                 f"into micro-batches of {split.micro_batch_size})")
+    return line
 
 
 def validate(cfg: RunConfig, world_size: int, has_gpu: bool) -> None:
@@ -409,6 +448,7 @@ def validate(cfg: RunConfig, world_size: int, has_gpu: bool) -> None:
     require(cfg.schedule.kind != "exponential" or cfg.schedule.min_lr > 0, "schedule.min_lr",
             "must be > 0 for the exponential schedule (it decays geometrically to it)")
 
+    require(cfg.train.device in ("auto", "cuda"), "train.device", "must be 'auto' or 'cuda'")
     require(cfg.train.precision in ("auto", "fp32", "bf16", "fp16"), "train.precision",
             "must be 'auto', 'fp32', 'bf16' or 'fp16'")
     require(has_gpu or cfg.train.precision != "fp16", "train.precision",
@@ -416,10 +456,7 @@ def validate(cfg: RunConfig, world_size: int, has_gpu: bool) -> None:
     require(cfg.zero.stage in (0, 1, 2, 3), "zero.stage", "must be 0, 1, 2 or 3")
     require(cfg.zero.stage >= 1 or not cfg.zero.offload_optimizer, "zero.offload_optimizer",
             "needs zero.stage >= 1")
-    per_pass = cfg.data.micro_batch_size * world_size
-    require(cfg.train.global_batch_size % per_pass == 0, "train.global_batch_size",
-            f"must be a multiple of data.micro_batch_size x world size = "
-            f"{cfg.data.micro_batch_size} x {world_size} = {per_pass}")
+    batch_split(cfg, world_size)
     require(cfg.model.init_from is None or (Path(cfg.model.init_from) / "config.json").is_file(),
             "model.init_from", "must be a Hugging Face model directory (one holding config.json)")
     require(cfg.model.activation_checkpointing in (None, "off", "step", "block"),

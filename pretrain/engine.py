@@ -8,11 +8,12 @@ import os
 import random
 import socket
 import sys
+import warnings
 
 import numpy as np
 import torch
 
-from pretrain.config import ConfigError, RunConfig, gradient_accumulation_steps
+from pretrain.config import ConfigError, RunConfig, batch_split
 
 
 def distributed_env() -> tuple[int, int, int]:
@@ -44,6 +45,39 @@ def distributed_env() -> tuple[int, int, int]:
             s.bind(("127.0.0.1", 0))
             env["MASTER_PORT"] = str(s.getsockname()[1])
     return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"])
+
+
+def training_device(wanted: str, local_rank: int) -> torch.device:
+    """The device this process trains on (train.device): "auto" takes a GPU when torch can use
+    one, "cuda" insists on one. Raises ConfigError naming what torch saw instead."""
+    with warnings.catch_warnings(record=True) as seen:  # e.g. "the NVIDIA driver ... is too old"
+        warnings.simplefilter("always")
+        usable = torch.cuda.is_available()
+    if not usable:
+        if wanted == "auto":
+            return torch.device("cpu")
+        if not torch.version.cuda:
+            raise ConfigError(f"train.device=cuda: torch {torch.__version__} is a CPU-only build; install "
+                              "a CUDA build of torch, or set train.device=auto to train on the CPU")
+        saw = str(seen[0].message).strip().splitlines()[0] if seen else \
+            f"it sees no GPU (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})"
+        raise ConfigError(f"train.device=cuda: torch {torch.__version__} (built for CUDA {torch.version.cuda}) "
+                          f"cannot use a GPU here: {saw}; run on a GPU node whose driver supports that CUDA, "
+                          "or set train.device=auto to train on the CPU")
+    return torch.device("cuda", gpu_index(local_rank, torch.cuda.device_count()))
+
+
+def gpu_index(local_rank: int, visible_gpus: int) -> int:
+    """Which visible GPU a process takes: its local rank among the node's GPUs, or the one GPU it
+    sees when the launcher gives each task its own (Slurm's --gpus-per-task=1 sets
+    CUDA_VISIBLE_DEVICES per task, so every task's device is 0 whatever its local rank)."""
+    if visible_gpus == 1:
+        return 0
+    if local_rank >= visible_gpus:
+        raise ConfigError(f"LOCAL_RANK={local_rank}, but this process sees only {visible_gpus} GPUs: start "
+                          "at most one process per GPU on a node (torchrun --nproc_per_node, or srun "
+                          "with --ntasks-per-node equal to the GPUs per node)")
+    return local_rank
 
 
 def seed_process(seed: int, rank: int, step: int = 0) -> None:
@@ -89,10 +123,11 @@ def deepspeed_config(cfg: RunConfig, world_size: int, precision: str) -> dict:
         zero_json["stage3_gather_16bit_weights_on_model_save"] = False
     if zero.offload_optimizer:
         zero_json["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    split = batch_split(cfg, world_size)
     return {
         "train_batch_size": cfg.train.global_batch_size,
-        "train_micro_batch_size_per_gpu": cfg.data.micro_batch_size,
-        "gradient_accumulation_steps": gradient_accumulation_steps(cfg, world_size),
+        "train_micro_batch_size_per_gpu": split.micro_batch_size,
+        "gradient_accumulation_steps": split.accumulation_steps,
         # without ZeRO, optim.GuardedAdamW clips (DeepSpeed's clipping would precede its check)
         "gradient_clipping": cfg.optimizer.grad_clip if zero.stage > 0 else 0.0,
         "zero_optimization": zero_json,
@@ -110,18 +145,21 @@ def configure_device_math(cfg: RunConfig, on_gpu: bool) -> None:
     float32 parts of bf16 runs). `set_float32_matmul_precision` is the one TF32 switch that
     works on every torch this project meets: since torch 2.9, mixing the legacy `allow_tf32`
     flags with the new `fp32_precision` ones raises when either is read back. CPU runs keep
-    torch's defaults (their losses are compared bit for bit across resumes)."""
+    torch's defaults (their losses are compared bit for bit across resumes), and keep freed
+    host memory for reuse (`keep_freed_host_memory`: only CPU tensors are malloc's; on GPU it
+    would just hold the host at its peak, every checkpoint's copy included)."""
     if on_gpu:
         torch.set_float32_matmul_precision("high" if cfg.train.tf32 else "highest")
+    else:
+        keep_freed_host_memory()
 
 
 def keep_freed_host_memory() -> None:
     """Have glibc's malloc keep freed memory for reuse instead of handing it back to the OS.
     By default every block over 32 MB is mmapped and unmapped again when freed, so a CPU
     step's large tensors (the logits of a 50k vocabulary are 100 MB at 512 tokens) arrive as
-    fresh pages each time: at the tiny widths page faults were 40% of a step's CPU time. Costs
-    nothing on GPU, whose tensors are not malloc's. The process keeps its peak host memory
-    instead. No-op where the C library has no `mallopt` (not glibc)."""
+    fresh pages each time: at the tiny widths page faults were 40% of a step's CPU time. For
+    CPU work only: the process keeps its peak host memory instead. No-op where the C library has no `mallopt` (not glibc)."""
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
     if mallopt is None:
         return

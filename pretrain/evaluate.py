@@ -240,7 +240,6 @@ def main(argv: list[str] | None = None) -> int:
     from common.fileio import atomic_write_text
     from pretrain.weights import LoadError
 
-    keep_freed_host_memory()  # each scoring batch's logits would otherwise be fresh pages
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         names = harness.parse_tasks(args.tasks)
@@ -252,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
             if not checkpoint.is_complete(source):
                 raise LoadError(f"{args.source}: no complete checkpoint {tag}")
         device = _device(args.device)
+        if device.type == "cpu":
+            keep_freed_host_memory()  # each scoring batch's logits would otherwise be fresh pages
         if world_size > 1 and not dist.is_initialized():
             if device.type == "cuda":
                 torch.cuda.set_device(device)

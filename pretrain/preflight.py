@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 from pretrain.checkpoint import CheckpointManager
-from pretrain.config import ConfigError, RunConfig, model_config
+from pretrain.config import ConfigError, RunConfig, batch_split, model_config
 from pretrain.models import padded_vocab
 
 
@@ -117,10 +117,12 @@ def evaluates(cfg: RunConfig, manifest: dict, world_size: int) -> bool:
         raise ConfigError(f"eval.interval={interval}: the dataset at {data.path} has no val split "
                           "(prepared with --val-fraction 0); set eval.interval=0 to train without "
                           "evaluation, or prepare the dataset with a val fraction")
-    if windows < data.micro_batch_size * world_size:
+    micro_batch_size = batch_split(cfg, world_size).micro_batch_size
+    if windows < micro_batch_size * world_size:
         raise ConfigError(f"data.micro_batch_size={data.micro_batch_size}: the val split of the dataset at "
-                          f"{data.path} has {windows} window(s), fewer than one micro-batch on each of "
-                          f"{world_size} process(es); lower data.micro_batch_size, prepare the dataset "
+                          f"{data.path} has {windows} window(s), fewer than one micro-batch "
+                          f"({micro_batch_size}) on each of {world_size} process(es); lower "
+                          "data.micro_batch_size, prepare the dataset "
                           "with a larger --val-fraction, or with --val-fraction 0 and set eval.interval=0 "
                           "to train without evaluation")
     return True

@@ -3,7 +3,7 @@
     python -m pretrain.train --config configs/tiny/nrgpt.yaml [key.sub=value ...]
     torchrun --nproc_per_node=2 -m pretrain.train --config ... zero.stage=3
 
-One optimizer step = `gradient_accumulation_steps` micro-batches per rank through the DeepSpeed
+One optimizer step = `batch_split(...).accumulation_steps` micro-batches per rank through the DeepSpeed
 engine. After each step the ranks exchange one small tensor (loss sum, non-finite count,
 preemption flag), which is all the synchronisation the loop itself adds. The run directory
 holds the resolved config, TensorBoard events, sharded checkpoints and, at the end,
@@ -33,10 +33,10 @@ import yaml
 from common.cli import ArgumentParser, write_exit_file
 from common.fileio import atomic_write_text
 from pretrain.checkpoint import CheckpointError, CheckpointManager, ResumeState, data_identity
-from pretrain.config import (ConfigError, RunConfig, gradient_accumulation_steps, load_config,
+from pretrain.config import (ConfigError, RunConfig, batch_split, describe_batch_split, load_config,
                              model_config, resolved_precision, to_dict, validate)
 from pretrain.engine import (configure_device_math, deepspeed_config, distributed_env, initialize,
-                             keep_freed_host_memory, seed_process)
+                             seed_process, training_device)
 from pretrain.evaluate import EvalResult, evaluate, evaluate_downstream
 from pretrain.faults import Faults
 from pretrain.flops import peak_tflops
@@ -56,12 +56,12 @@ class Trainer:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         self.rank, self.world_size, local_rank = distributed_env()
-        self.on_gpu = torch.cuda.is_available()
-        self.device = torch.device("cuda", local_rank) if self.on_gpu else torch.device("cpu")
+        self.device = training_device(cfg.train.device, local_rank)
+        self.on_gpu = self.device.type == "cuda"
         if self.on_gpu:
             torch.cuda.set_device(self.device)
         self.precision = resolved_precision(cfg, self.on_gpu)
-        self.grad_accum = gradient_accumulation_steps(cfg, self.world_size)
+        self.split = batch_split(cfg, self.world_size)
         self.total_steps = cfg.total_steps
         self.run_dir = cfg.run_dir
         self.checkpoints = CheckpointManager(cfg, self.rank, self.world_size)
@@ -90,13 +90,13 @@ class Trainer:
         self.build_engine(manifest["vocab_size"])
 
         data = cfg.data
-        self.loader = build_loader(data.path, "train", micro_batch_size=data.micro_batch_size,
+        self.loader = build_loader(data.path, "train", micro_batch_size=self.split.micro_batch_size,
                                    seed=cfg.seed, shuffle=True, num_workers=data.num_workers,
                                    pin_memory=self.on_gpu, mixture=data.mixture)
         self.loader.dataloader.worker_init_fn = ignore_stop_signals  # the trainer handles them
         self.val_loader = None  # a dataset without a val split, with eval.interval=0: no evaluation
         if evaluates(cfg, manifest, self.world_size):
-            self.val_loader = build_loader(data.path, "val", micro_batch_size=data.micro_batch_size,
+            self.val_loader = build_loader(data.path, "val", micro_batch_size=self.split.micro_batch_size,
                                            seed=cfg.seed, shuffle=False, num_workers=0, repeat=False)
         self._continue_from(self.checkpoints.load(self.engine))
 
@@ -108,9 +108,9 @@ class Trainer:
         self.metrics.print(
             f"{cfg.run_name}: {cfg.model.flavor} ({self.params / 1e6:.2f}M params, "
             f"{self.non_embedding_params / 1e6:.2f}M non-embedding), {self.world_size} process(es), "
-            f"ZeRO-{cfg.zero.stage}, {self.precision}, global batch {cfg.train.global_batch_size} x "
-            f"{data.seq_len} tokens ({self.grad_accum} accumulation step(s)), "
+            f"ZeRO-{cfg.zero.stage}, {self.precision}, {data.seq_len} tokens per sequence, "
             f"{'resuming at step ' + str(self.state.step) if self.state.step else 'fresh start'}")
+        self.metrics.print(describe_batch_split(cfg, self.world_size))
         for note in self.resume_notes:
             self.metrics.print(note)
 
@@ -135,7 +135,6 @@ class Trainer:
         cfg = self.cfg
         self.model_config = model_config(cfg, dataset_vocab_size)
         configure_device_math(cfg, self.on_gpu)
-        keep_freed_host_memory()
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
         model = build(self.model_config)
         # before the engine partitions the parameters; a resumed run gets its weights from its checkpoint
@@ -249,7 +248,7 @@ class Trainer:
         return 0
 
     def train_step(self, log_now: bool) -> StepResult:
-        """One optimizer step over `grad_accum` micro-batches on every rank."""
+        """One optimizer step over the batch split's micro-batches on every rank."""
         engine, cfg = self.engine, self.cfg
         start = time.perf_counter()
         step = self.state.step
@@ -259,7 +258,7 @@ class Trainer:
         nonfinite = torch.zeros((), device=self.device)
         data_wait = 0.0
         diagnostics = {}
-        for micro in range(self.grad_accum):
+        for micro in range(self.split.accumulation_steps):
             t0 = time.perf_counter()
             # The loader's own random draws (worker seeds when it starts an epoch, which a
             # resumed run does at a different step) must not move the training RNG.
@@ -268,7 +267,7 @@ class Trainer:
             data_wait += time.perf_counter() - t0
             inputs = inputs.to(self.device, non_blocking=True)
             targets = targets.to(self.device, non_blocking=True)
-            last_micro = micro == self.grad_accum - 1
+            last_micro = micro == self.split.accumulation_steps - 1
             out = engine(inputs, targets, return_energies=log_now and last_micro)
             loss = self.faults.loss(out.loss.float(), step + 1)
             finite = torch.isfinite(loss)
@@ -291,10 +290,10 @@ class Trainer:
         grad_norm = engine.get_global_grad_norm() if applied else None
         # fp16 loss scaling skips overflowing steps by design; those are not faults
         skipped_by_fault = nonfinite_total > 0 or (not applied and self.precision != "fp16")
-        result = StepResult(loss=loss_total / (self.grad_accum * self.world_size), nonfinite=skipped_by_fault,
-                            lr=lr, lrs=lrs, grad_norm=None if grad_norm is None else float(grad_norm),
-                            diagnostics=diagnostics, stop=stop > 0, time_s=time.perf_counter() - start,
-                            data_wait_s=data_wait, tokens=cfg.tokens_per_step)
+        result = StepResult(loss=loss_total / (self.split.accumulation_steps * self.world_size),
+                            nonfinite=skipped_by_fault, lr=lr, lrs=lrs, time_s=time.perf_counter() - start,
+                            grad_norm=None if grad_norm is None else float(grad_norm), diagnostics=diagnostics,
+                            stop=stop > 0, data_wait_s=data_wait, tokens=cfg.tokens_per_step)
         self.throughput.add(result)
         return result
 
@@ -397,12 +396,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         world_size = args.world_size if args.check and args.world_size else distributed_env()[1]
         cfg = load_config(args.config, args.overrides)
-        validate(cfg, world_size, torch.cuda.is_available())
+        # a login node checks a GPU run (train.device=cuda) as the GPU nodes will run it
+        validate(cfg, world_size, cfg.train.device == "cuda" or torch.cuda.is_available())
         if args.check:
             preflight(cfg, CheckpointManager(cfg, rank=0, world_size=world_size), checking_only=True)
-            code = 0
-        else:
-            code = run(cfg)
+            print(f"{args.config}: ready for {world_size} process(es): {describe_batch_split(cfg, world_size)}")
+        code = 0 if args.check else run(cfg)
     except (ConfigError, DataError, NonFiniteError, CheckpointError) as e:
         error = f"error: {e}"
         code = 2 if isinstance(e, (ConfigError, DataError)) else 1

@@ -137,8 +137,9 @@ def test_text_keys_take_yamls_boolean_words_as_the_words(minimal, tmp_path):
 
 @pytest.mark.parametrize("overrides, world_size, has_gpu, message", [
     (["train.precision=fp16"], 1, False, "train.precision='fp16': fp16 needs a GPU"),
-    (["train.global_batch_size=12"], 2, False,
-     "train.global_batch_size=12: must be a multiple of data.micro_batch_size x world size = 4 x 2 = 8"),
+    (["train.global_batch_size=12"], 5, False,
+     "train.global_batch_size=12: 5 processes cannot share it evenly; use a GPU count that divides it "
+     "(3, 4, 6, 12 are the nearest)"),
     (["zero.stage=4"], 1, False, "zero.stage=4: must be 0, 1, 2 or 3"),
     (["zero.stage=0", "zero.offload_optimizer=true"], 1, False, "zero.offload_optimizer=True: needs zero.stage >= 1"),
     (["train.max_steps=null"], 1, False, "train.max_steps=None: a budget is required"),
