@@ -5,7 +5,8 @@ One chain of real runs, every run compared with the uninterrupted 2-process ZeRO
 
     ref      2 processes, ZeRO-2, steps 1-32 (checkpoints every 8 steps)
     zero3    2 processes, ZeRO-3, from ref's step 8       ZeRO stage 2 -> 3
-    to1      1 process,   ZeRO-2, from zero3's step 16    world 2 -> 1 and ZeRO 3 -> 2
+    to1      1 process,   ZeRO-2, from zero3's step 16    world 2 -> 1 and ZeRO 3 -> 2, a micro-batch
+                                                          of at most 3 (the trainer takes 2)
     to2      2 processes, ZeRO-2, from to1's step 24      world 1 -> 2
     batch4   2 processes, global batch 4, from ref's step 8
 
@@ -88,7 +89,7 @@ def elastic() -> Chain:
                         ("zero3", ["zero.stage=3", resume_from(*RESUMED["zero3"])]),
                         ("batch4", ["train.global_batch_size=4", resume_from("ref", INTERVAL)]),
                         ("zero0", ["zero.stage=0", resume_from("ref", INTERVAL)])])
-    output += launch(1, [("to1", [resume_from(*RESUMED["to1"])])])
+    output += launch(1, [("to1", [resume_from(*RESUMED["to1"]), "data.micro_batch_size=3"])])
     output += launch(2, [("to2", [resume_from(*RESUMED["to2"])])])
     records = {}
     for name in ("ref", "zero3", "batch4", "zero0", "to1", "to2"):
@@ -115,6 +116,13 @@ def test_samples_continue_across_world_size_and_stage_changes(elastic):
     assert sorted(stitched) == list(range(1, N_STEPS + 1))
     assert len(set(everything)) == len(everything) == 8 * N_STEPS, "a window was trained on twice"
     assert sorted(everything) == sorted(w for windows in reference.values() for w in windows)
+
+
+def test_the_micro_batch_adapts_to_the_world_size_and_the_global_batch_stays(elastic):
+    assert "global batch 8 = micro-batch 2 x 2 process(es) x 2 accumulation step(s)\n" in elastic.output
+    assert ("global batch 8 = micro-batch 2 x 1 process(es) x 4 accumulation step(s) "
+            "(data.micro_batch_size=3 is the most; 8 sequences per process split evenly into "
+            "micro-batches of 2)\n") in elastic.output
 
 
 def test_training_continues_from_the_same_loss(elastic):
