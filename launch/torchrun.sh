@@ -11,12 +11,13 @@
 #   NPROC_PER_NODE   processes per node (default: number of visible GPUs, else 1)
 #   NNODES           number of nodes (default 1 -> --standalone)
 #   NODE_RANK        this node's rank, 0..NNODES-1 (static rendezvous)
-#   MASTER_ADDR      address of node 0 (static rendezvous)
+#   MASTER_ADDR      address of node 0 (static rendezvous); beats the cluster profile's
 #   MASTER_PORT      port on node 0 (default 29500)
 #   RDZV_ENDPOINT    host:port of a c10d rendezvous (instead of NODE_RANK/MASTER_ADDR)
 #   RDZV_ID          rendezvous id shared by all nodes (default: job id or "pretrain")
 #   GRACE_SECONDS    how long torchrun lets workers checkpoint after SIGTERM/SIGUSR1 (default 300)
 #   PYTHON           interpreter (default: .venv/bin/python if present, else python3)
+#   CLUSTER_PROFILE  the cluster profile to source (default: launch/cluster.sh, if present)
 set -euo pipefail
 
 fail() {  # a bad input: one line, exit 2
@@ -51,6 +52,19 @@ fi
 config=$(cd "$(dirname "$config")" && pwd)/$(basename "$config")
 
 repo_root=$(cd "$(dirname "$0")/.." && pwd)
+
+# The cluster profile (network settings, see launch/cluster.sh). A MASTER_ADDR the caller gives
+# beats the profile's: slurm.sbatch hands every node the one it chose on node 0, where a profile
+# line such as MASTER_ADDR=$(hostname)-ib, evaluated again here, would name this node instead.
+caller_master_addr=${MASTER_ADDR:-}
+profile=${CLUSTER_PROFILE:-$repo_root/launch/cluster.sh}
+if [ -f "$profile" ]; then
+  source "$profile"
+elif [ -n "${CLUSTER_PROFILE:-}" ]; then
+  fail "CLUSTER_PROFILE=$CLUSTER_PROFILE: no such file; name an existing profile (see launch/cluster.sh) or unset it"
+fi
+MASTER_ADDR=${caller_master_addr:-${MASTER_ADDR:-}}
+
 if [ -z "${PYTHON:-}" ]; then
   if [ -x "$repo_root/.venv/bin/python" ]; then PYTHON="$repo_root/.venv/bin/python"; else PYTHON=python3; fi
 fi
@@ -81,7 +95,7 @@ elif [ -n "${RDZV_ENDPOINT:-}" ]; then
          --rdzv_id="${RDZV_ID:-${SLURM_JOB_ID:-pretrain}}")
 else
   [ -n "${NODE_RANK:-}" ] || fail "NODE_RANK must be set when NNODES > 1 (or set RDZV_ENDPOINT)"
-  [ -n "${MASTER_ADDR:-}" ] || fail "MASTER_ADDR must be set when NNODES > 1 (or set RDZV_ENDPOINT)"
+  [ -n "$MASTER_ADDR" ] || fail "MASTER_ADDR must be set when NNODES > 1 (or set RDZV_ENDPOINT)"
   MASTER_PORT=${MASTER_PORT:-29500}
   whole_number NODE_RANK 0 "$((NNODES - 1))"
   whole_number MASTER_PORT 1 65535
