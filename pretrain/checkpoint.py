@@ -4,6 +4,7 @@ Layout of a run's `ckpt/` directory:
 
     ckpt/step_00000200/          one DeepSpeed checkpoint (model + optimizer shards, client state)
         rank_state_00000.pt      per-process state: RNG states (python, numpy, torch, CUDA), buffers
+        replay_store_00000.pt    per-process EBT replay store (models with a replay buffer)
         complete.json            written by rank 0 after every rank finished writing: the config,
                                  the world size, the dataset's identity, each file's size + checksum
     ckpt/latest                  tag of the newest complete checkpoint, replaced atomically
@@ -48,6 +49,7 @@ from common.fileio import atomic_write, atomic_write_text
 from pretrain.config import ConfigError, RunConfig, from_dict, get_key, to_dict
 from pretrain.engine import seed_process
 from pretrain.models import padded_vocab
+from pretrain.models.ebt import ReplayStore
 from pretrain.runlock import RunLock, hold_run
 
 MARKER = "complete.json"
@@ -119,6 +121,10 @@ def tag_for(step: int) -> str:
 
 def rank_state_file(tag_dir: Path, rank: int) -> Path:
     return tag_dir / f"rank_state_{rank:05d}.pt"
+
+
+def replay_store_file(tag_dir: Path, rank: int) -> Path:
+    return tag_dir / f"replay_store_{rank:05d}.pt"
 
 
 def is_complete(tag_dir: Path) -> bool:
@@ -465,6 +471,15 @@ def read_rank_state(tag_dir: Path, rank: int) -> dict | None:
     return torch.load(path, weights_only=False) if path.exists() else None
 
 
+def replay_store(engine) -> ReplayStore | None:
+    """The EBT replay store of the engine's model, if it has one."""
+    return getattr(engine.module, "replay_store", None)
+
+
+def _read_replay_store(tag_dir: Path, rank: int, device: torch.device) -> dict:
+    return torch.load(replay_store_file(tag_dir, rank), map_location=device, weights_only=True)
+
+
 def capture_rng() -> dict:
     state = {"python": random.getstate(), "numpy": np.random.get_state(),
              "torch": torch.get_rng_state()}
@@ -633,6 +648,11 @@ class CheckpointManager:
                           "rng": capture_rng()}
             path = rank_state_file(tag_dir, self.rank)
             writes.write(path, lambda: atomic_write(path, lambda tmp: torch.save(rank_state, tmp)), rank_state)
+            store = replay_store(engine)
+            if store is not None:
+                store_state, store_path = store.state_dict(), replay_store_file(tag_dir, self.rank)
+                writes.write(store_path, lambda: atomic_write(store_path, lambda tmp: torch.save(store_state, tmp)),
+                             store_state)
         reports = [None] * self.world_size  # also waits for every rank's writes
         dist.all_gather_object(reports, (writes.failure, writes.bytes))
         failure = next((failure for failure, _ in reports if failure is not None), None)
@@ -698,8 +718,13 @@ class CheckpointManager:
         train_state = client_state["train_state"]
         same_world = marker.world_size == self.world_size
         self._restore_rank_state(engine, tag_dir, train_state["step"], same_world)
+        dealt = self._restore_replay_store(engine, tag_dir, marker.world_size)
         loader_state = client_state["loader"]
         notes = self._layout_changes(marker, universal, loader_state, train_state) if describe else []
+        if describe and dealt:
+            notes.append(f"EBT's replay buffers of {marker.world_size} process(es) are dealt out over "
+                         f"{self.world_size}: every saved row goes to one process, which keeps its youngest "
+                         f"{replay_store(engine).config.replay_buffer_size}")
         if describe and marker.data is not None and self.cfg.data.allow_change and loader_state is not None:
             saved_data = marker.data
             notes.append(f"data.allow_change: continuing on {self.cfg.data.path} (trained so far on "
@@ -714,9 +739,12 @@ class CheckpointManager:
         EBT: its replay rows)."""
         own_state = read_rank_state(tag_dir, self.rank)
         state = own_state if own_state is not None else read_rank_state(tag_dir, 0)
-        buffers = dict(engine.module.named_buffers())
-        for name, value in (state or {}).get("buffers", {}).items():
-            buffers[name].copy_(value)
+        # not strict: the parameters are DeepSpeed's; EBT takes the replay buffers of checkpoints
+        # written before its replay store (`take_legacy_replay_buffers`)
+        unexpected = engine.module.load_state_dict((state or {}).get("buffers", {}), strict=False).unexpected_keys
+        if unexpected:
+            raise CheckpointError(f"{rank_state_file(tag_dir, self.rank)}: buffers {', '.join(unexpected)} "
+                                  "have no counterpart in the model")
         if own_state is not None and same_world:
             restore_rng(own_state["rng"])
             return
@@ -724,6 +752,23 @@ class CheckpointManager:
             print(f"warning: rank {self.rank}: {rank_state_file(tag_dir, self.rank)} is "
                   "missing; its random streams restart from (seed, rank, step)", file=sys.stderr)
         seed_process(self.cfg.seed, self.rank, step)
+
+    def _restore_replay_store(self, engine, tag_dir: Path, saved_world: int) -> bool:
+        """This rank's EBT replay store: its own saved store at the same world size, else rows
+        dealt out from the saved ranks' stores (`ReplayStore.deal`); returns whether they were
+        dealt. Checkpoints written before the store files held the replay buffer in the
+        module's buffers, which loading the module and the rank's buffers restored."""
+        store = replay_store(engine)
+        if store is None or not replay_store_file(tag_dir, 0).exists():
+            return False
+        device = next(engine.module.parameters()).device
+        if saved_world == self.world_size:
+            store.load_state_dict(_read_replay_store(tag_dir, self.rank, device), device)
+            return False
+        saved = {rank: _read_replay_store(tag_dir, rank, torch.device("cpu"))
+                 for rank in store.dealt_from(self.rank, saved_world, self.world_size)}
+        store.deal(saved, saved_world, self.rank, self.world_size, device)
+        return True
 
     def _layout_changes(self, marker: Marker, universal: bool, loader_state: dict,
                         train_state: dict) -> list[str]:

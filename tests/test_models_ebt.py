@@ -382,36 +382,41 @@ def test_langevin_noise_only_in_training():
 
 def test_replay_buffer_stores_final_candidates_and_restarts_rows_from_them():
     model = tiny(replay_buffer_size=5, replay_fraction=0.5).train()
+    store = model.replay_store
+    assert store.top_k == 0 and store.tensors == {}  # V=11 < replay_top_k: whole logits; nothing allocated yet
     idx, targets = data(model, batch=4)
     out = model(idx, targets)
     # the buffer starts empty: nothing was replayed, all 4 rows were stored in slots 0..3
-    assert model.replay_lengths.tolist() == [6, 6, 6, 6, 0] and model.replay_next.item() == 4
-    assert torch.equal(model.replay_tokens[:4, :6], idx) and torch.equal(model.replay_targets[:4, :6], targets)
-    assert torch.allclose(F.log_softmax(model.replay_candidates[:4, :6], -1), out.logits, atol=1e-12)
+    assert store.tensors["lengths"].tolist() == [6, 6, 6, 6, 0] and store.next == 4
+    assert torch.equal(store.tensors["tokens"][:4, :6], idx) and torch.equal(store.tensors["targets"][:4, :6], targets)
+    assert torch.allclose(F.log_softmax(store.tensors["logits"][:4, :6], -1), out.logits, atol=1e-12)
 
     # restarted rows: 2 (= 0.5 x 4) stored rows, with their tokens, targets and final candidates
     fresh = candidate(model, idx)
     torch.manual_seed(0)
-    all_idx, all_targets, start = model.add_replay_rows(idx, targets, fresh)
+    all_idx, all_targets, start = store.extend(idx, targets, fresh)
     assert all_idx.shape == (6, 6) and torch.equal(start[:4], fresh)
     for row in range(4, 6):
-        slot = next(s for s in range(4) if torch.equal(model.replay_tokens[s, :6], all_idx[row]))
-        assert torch.equal(all_targets[row], model.replay_targets[slot, :6])
-        assert torch.equal(start[row], model.replay_candidates[slot, :6])
-    assert model.add_replay_rows(idx[:, :5], targets[:, :5], fresh[:, :5])[0].shape == (4, 5)  # other length
+        slot = next(s for s in range(4) if torch.equal(store.tensors["tokens"][s, :6], all_idx[row]))
+        assert torch.equal(all_targets[row], store.tensors["targets"][slot, :6])
+        assert torch.equal(start[row], store.tensors["logits"][slot, :6])
+    assert store.extend(idx[:, :5], targets[:, :5], fresh[:, :5])[0].shape == (4, 5)  # other length
 
     # the next batch is extended by replayed rows and wraps the ring (slots 4, 0, 1, 2)
     out = model(idx.flip(0), targets.flip(0))
     assert out.logits.shape == (4, 6, 11) and torch.isfinite(out.loss)
-    assert model.replay_next.item() == 3 and torch.equal(model.replay_tokens[4, :6], idx[3])
-    # part of the module state, so checkpoints carry it
+    assert store.next == 3 and torch.equal(store.tensors["tokens"][4, :6], idx[3])
+    # outside the module state (DeepSpeed's buffers, exports); its own state round trip carries it
+    assert not any("replay" in name for name in model.state_dict())
     restored = tiny(replay_buffer_size=5, replay_fraction=0.5)
-    restored.load_state_dict(model.state_dict())
-    assert torch.equal(restored.replay_candidates, model.replay_candidates)
+    restored.replay_store.load_state_dict(store.state_dict(), torch.device("cpu"))
+    assert restored.replay_store.next == 3
+    for name, tensor in store.tensors.items():
+        assert torch.equal(restored.replay_store.tensors[name], tensor), name
     model.eval()
-    before = model.replay_tokens.clone()
+    before = store.tensors["tokens"].clone()
     model(idx, targets)
-    assert torch.equal(model.replay_tokens, before)  # eval neither replays nor stores
+    assert torch.equal(store.tensors["tokens"], before)  # eval neither replays nor stores
 
 
 # --- observed-stream reuse, step conditioning, checkpointing -----------------------------

@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 from typing import Callable, NamedTuple
 
 import torch
@@ -84,9 +85,12 @@ class EBTConfig(LlamaConfig):
     """Loss from the last step only, and only the last step builds the second-order graph
     (S2); otherwise the mean cross entropy over steps (S1)."""
     replay_buffer_size: int = 0
-    """Rows of the replay buffer (0 = off): tokens, targets and final candidate logits of recent
-    training rows, kept in registered buffers so checkpoints hold them; costs
-    replay_buffer_size x block_size x vocab_size floats."""
+    """Rows of the replay buffer (0 = off): tokens, targets and final candidate of recent training
+    rows, per rank, on the device (`ReplayStore`; its size: `replay_store_bytes`)."""
+    replay_top_k: int = 1024
+    """How the replay buffer keeps a candidate distribution, per position: its replay_top_k
+    largest probabilities with their ids, the rest of the mass spread evenly over the other ids;
+    0 (or >= vocab_size) keeps the whole candidate logits, exactly."""
     replay_fraction: float = 0.25
     """With a replay buffer, each training batch is extended by this fraction of its rows,
     drawn from the buffer and restarted from their stored final candidates."""
@@ -132,8 +136,8 @@ class EBTConfig(LlamaConfig):
             raise ValueError(f"EBTConfig.min_steps must be in [0, n_steps={self.n_steps}], got {self.min_steps}")
         if self.alpha_randomize < 1:
             raise ValueError(f"EBTConfig.alpha_randomize must be >= 1, got {self.alpha_randomize}")
-        if self.langevin_noise_std < 0 or self.replay_buffer_size < 0:
-            raise ValueError("EBTConfig.langevin_noise_std and replay_buffer_size must be >= 0")
+        if self.langevin_noise_std < 0 or self.replay_buffer_size < 0 or self.replay_top_k < 0:
+            raise ValueError("EBTConfig.langevin_noise_std, replay_buffer_size and replay_top_k must be >= 0")
         if not 0 < self.replay_fraction <= 1:
             raise ValueError(f"EBTConfig.replay_fraction must be in (0, 1], got {self.replay_fraction}")
         if self.step_embeddings == "shared" and not self.time_embed:
@@ -389,6 +393,183 @@ class ThinkOutput(NamedTuple):
     """[steps] mean cross entropy after 1..steps steps (chosen samples), given targets."""
 
 
+# --- the replay buffer ----------------------------------------------------------------------
+
+def kept_probabilities(config: EBTConfig) -> int:
+    """Probabilities a replay row keeps per position (`replay_top_k`); 0: the whole logits."""
+    return config.replay_top_k if config.replay_top_k < config.vocab_size else 0
+
+
+def replay_layout(config: EBTConfig, dtype: torch.dtype = torch.float32) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Name -> (shape, dtype) of the tensors of a replay store, with candidates of `dtype` (the
+    training candidate's, float32 unless the model runs in float64)."""
+    rows, T, V, k = config.replay_buffer_size, config.block_size, config.vocab_size, kept_probabilities(config)
+    layout = {"tokens": ((rows, T), torch.long), "targets": ((rows, T), torch.long), "lengths": ((rows,), torch.long)}
+    if k:
+        layout.update(top_logp=((rows, T, k), dtype), top_ids=((rows, T, k), torch.int32), rest_logp=((rows, T), dtype))
+    else:
+        layout["logits"] = ((rows, T, V), dtype)
+    return layout
+
+
+def replay_store_bytes(config: EBTConfig) -> int:
+    """Device bytes of one rank's replay store for `config` (0 without a replay buffer); its
+    checkpoint file holds the same."""
+    if not config.replay_buffer_size:
+        return 0
+    return sum(math.prod(shape) * dtype.itemsize for shape, dtype in replay_layout(config).values())
+
+
+class ReplayStore:
+    """The replay buffer of one rank (S2, Sec. 3.3): a ring of `replay_buffer_size` recent
+    training rows, their tokens, targets and final candidates, which later batches restart from.
+    Plain tensors on the device of the training batches, allocated when the first rows are
+    stored, outside the module's state (so outside DeepSpeed's buffers and the exports): the
+    checkpoint manager saves each rank's store in a file of its own.
+
+    A candidate is kept as the distribution it stands for (`kept`): the `replay_top_k` largest
+    log-probabilities per position with their ids, and one log-probability for every other id
+    (the rest of the mass spread evenly). A replayed row restarts from these log-probabilities as
+    its logits: they differ from a candidate's logits by a constant per position, which the
+    softmax of a descent step, its update and the cross entropy all ignore, so the row restarts
+    from exactly the kept distribution. With top-k off the logits are kept whole."""
+
+    def __init__(self, config: EBTConfig):
+        self.config = config
+        self.top_k = kept_probabilities(config)
+        self.tensors: dict[str, torch.Tensor] = {}
+        """The tensors of `replay_layout`, empty until rows are first stored."""
+        self.next = 0
+        """The slot the next row goes to: the oldest row once the ring is full."""
+
+    def extend(self, idx: torch.Tensor, targets: torch.Tensor, candidate: torch.Tensor):
+        """(idx, targets [B, T], candidate [B, T, V]) followed by round(replay_fraction x B) stored
+        rows of the same length, drawn at random, starting from their stored candidates."""
+        T = idx.size(1)
+        if not self.tensors:
+            return idx, targets, candidate
+        stored = (self.tensors["lengths"] == T).nonzero().flatten()
+        n = min(round(self.config.replay_fraction * idx.size(0)), stored.numel())
+        if n == 0:
+            return idx, targets, candidate
+        pick = stored[torch.randperm(stored.numel(), device=stored.device)[:n]]
+        return (torch.cat([idx, self.tensors["tokens"][pick, :T]]),
+                torch.cat([targets, self.tensors["targets"][pick, :T]]),
+                torch.cat([candidate, self.candidates(pick, T).to(candidate.dtype)]))
+
+    def candidates(self, slots: torch.Tensor, length: int) -> torch.Tensor:
+        """[len(slots), length, V] logits of the candidates stored at `slots`."""
+        t = self.tensors
+        if not self.top_k:
+            return t["logits"][slots, :length]
+        rest = t["rest_logp"][slots, :length, None].expand(-1, -1, self.config.vocab_size).contiguous()
+        return rest.scatter_(-1, t["top_ids"][slots, :length].long(), t["top_logp"][slots, :length])
+
+    def kept(self, candidate: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What the store keeps of candidate logits [..., V]."""
+        if not self.top_k:
+            return {"logits": candidate}
+        logp = candidate.log_softmax(dim=-1)
+        top = logp.topk(self.top_k, dim=-1, sorted=False)
+        # log(the other ids' probabilities summed / their count), exact however small the rest
+        rest = logp.scatter(-1, top.indices, -math.inf).logsumexp(dim=-1) - math.log(self.config.vocab_size - self.top_k)
+        return {"top_logp": top.values, "top_ids": top.indices, "rest_logp": rest}
+
+    @torch.no_grad()
+    def store(self, idx: torch.Tensor, targets: torch.Tensor, final_candidate: torch.Tensor) -> None:
+        """Write the last rows of a batch (as many as the ring holds) over the oldest rows:
+        idx, targets [B, T] and their final candidates [B, T, V]."""
+        rows, T = idx.shape
+        size = self.config.replay_buffer_size
+        keep = min(rows, size)
+        if not self.tensors:
+            self.tensors = {name: torch.zeros(shape, dtype=dtype, device=idx.device)
+                            for name, (shape, dtype) in replay_layout(self.config, final_candidate.dtype).items()}
+        slots = [(self.next + i) % size for i in range(keep)]
+        index = torch.tensor(slots, device=idx.device)
+        self.tensors["tokens"][index, :T] = idx[-keep:]
+        self.tensors["targets"][index, :T] = targets[-keep:]
+        self.tensors["lengths"][index] = T
+        for slot, candidate in zip(slots, final_candidate[-keep:]):  # a row at a time: one [T, V] of scratch
+            for name, value in self.kept(candidate).items():
+                self.tensors[name][slot, :T] = value
+        self.next = (self.next + keep) % size
+
+    def youngest_first(self) -> list[int]:
+        """The slots holding rows, the one stored last first."""
+        if not self.tensors:
+            return []
+        lengths = self.tensors["lengths"].tolist()
+        return [slot for slot in ((self.next - 1 - age) % len(lengths) for age in range(len(lengths))) if lengths[slot]]
+
+    def state_dict(self) -> dict:
+        """The store's layout, ring position and tensors (where they are)."""
+        return {"top_k": self.top_k, "next": self.next, **self.tensors}
+
+    @classmethod
+    def saved(cls, config: EBTConfig, state: dict) -> ReplayStore:
+        """The store a `state_dict` describes, in its own layout, its tensors where they are."""
+        tensors = {name: value for name, value in state.items() if torch.is_tensor(value)}
+        rows = tensors["lengths"].numel() if tensors else config.replay_buffer_size
+        store = cls(replace(config, replay_top_k=state["top_k"], replay_buffer_size=rows))
+        store.tensors, store.next = tensors, state["next"]
+        return store
+
+    def load_state_dict(self, state: dict, device: torch.device) -> None:
+        """Take the rows of a `state_dict` onto `device`: as they are, or converted row by row
+        when they were saved in another layout."""
+        saved = ReplayStore.saved(self.config, state)
+        if replay_layout(saved.config) == replay_layout(self.config):
+            self.tensors, self.next = {name: t.to(device) for name, t in saved.tensors.items()}, saved.next
+        else:
+            self.refill([(saved, slot) for slot in reversed(saved.youngest_first())], device)
+
+    def refill(self, rows: list[tuple[ReplayStore, int]], device: torch.device) -> None:
+        """Empty the store, then store the rows (store, slot) in this order onto `device`."""
+        self.tensors, self.next = {}, 0
+        for source, slot in rows:
+            length = int(source.tensors["lengths"][slot])
+            index = torch.tensor([slot], device=source.tensors["lengths"].device)
+            self.store(source.tensors["tokens"][index, :length].to(device),
+                       source.tensors["targets"][index, :length].to(device),
+                       source.candidates(index, length).to(device))
+
+    def deal(self, saved: dict[int, dict], saved_world: int, rank: int, world: int, device: torch.device) -> None:
+        """This rank's rows after the world size changed from `saved_world` to `world`, from the
+        saved stores of the old ranks `dealt_from` names (old rank -> state): row `age` (0 the
+        youngest) of old rank r goes to rank (r + saved_world x age) mod world, so that the rows
+        are dealt out evenly and none twice, and a rank keeps its youngest replay_buffer_size."""
+        mine = []
+        for old_rank, state in saved.items():
+            store = ReplayStore.saved(self.config, state)
+            mine += [(age, old_rank, store, slot) for age, slot in enumerate(store.youngest_first())
+                     if (old_rank + saved_world * age) % world == rank]
+        mine = sorted(mine, key=lambda row: row[:2])[:self.config.replay_buffer_size]
+        self.refill([(store, slot) for _, _, store, slot in reversed(mine)], device)
+
+    @staticmethod
+    def dealt_from(rank: int, saved_world: int, world: int) -> list[int]:
+        """The old ranks whose rows `deal` can give `rank`."""
+        common = math.gcd(saved_world, world)
+        return [old_rank for old_rank in range(saved_world) if (rank - old_rank) % common == 0]
+
+
+LEGACY_REPLAY_BUFFERS = ("replay_tokens", "replay_targets", "replay_candidates", "replay_lengths", "replay_next")
+"""The registered buffers that held the replay buffer in checkpoints written before `ReplayStore`."""
+
+
+def take_legacy_replay_buffers(model: EBT, state_dict: dict, prefix: str, *_) -> None:
+    """Load-state hook: module state from before `ReplayStore` holds the replay buffer as buffers,
+    which go into the model's store (in its layout) instead of being unexpected keys."""
+    legacy = {name: state_dict.pop(prefix + name) for name in LEGACY_REPLAY_BUFFERS if prefix + name in state_dict}
+    if legacy and model.replay_store is not None:
+        logits = legacy["replay_candidates"]
+        state = {"top_k": 0, "next": int(legacy["replay_next"]), "tokens": legacy["replay_tokens"],
+                 "targets": legacy["replay_targets"], "lengths": legacy["replay_lengths"],
+                 "logits": logits.to(torch.promote_types(logits.dtype, torch.float32))}
+        model.replay_store.load_state_dict(state, model.descent.energy_head.weight.device)
+
+
 class EBT(LanguageModel):
     needs_double_backward = True
 
@@ -408,15 +589,8 @@ class EBT(LanguageModel):
             # energy head: scaling it by 1/alpha keeps that first move the size it has at alpha = 1
             # (with N(0, init_std), ebt-s1-small's first-step loss was 1054 nats, ~100 ln V).
             nn.init.normal_(self.descent.energy_head.weight, std=config.init_std / config.alpha)
-        rows, T, V = config.replay_buffer_size, config.block_size, config.vocab_size
-        if rows:
-            # Per-rank training state, saved with the module (see docs/design.md, EBT).
-            self.register_buffer("replay_tokens", torch.zeros(rows, T, dtype=torch.long))
-            self.register_buffer("replay_targets", torch.zeros(rows, T, dtype=torch.long))
-            self.register_buffer("replay_candidates", torch.zeros(rows, T, V))
-            # sequence length of each stored row (0: empty slot), and the next slot to write
-            self.register_buffer("replay_lengths", torch.zeros(rows, dtype=torch.long))
-            self.register_buffer("replay_next", torch.zeros((), dtype=torch.long))
+        self.replay_store = ReplayStore(config) if config.replay_buffer_size else None
+        self.register_load_state_dict_pre_hook(take_legacy_replay_buffers)
 
     # --- randomness -----------------------------------------------------------------------
 
@@ -452,34 +626,6 @@ class EBT(LanguageModel):
         with eval_seed + 1 (reproducible, the training RNG untouched); otherwise nothing."""
         return seeded_rng(self.config.eval_seed + 1, device) if noise_std else contextlib.nullcontext()
 
-    # --- replay buffer --------------------------------------------------------------------
-
-    def add_replay_rows(self, idx, targets, candidate):
-        """Append round(replay_fraction x B) rows drawn from the buffer (same length only),
-        with their stored tokens, targets and final candidates as starting point."""
-        T = idx.size(1)
-        stored = (self.replay_lengths == T).nonzero().flatten()
-        n = min(round(self.config.replay_fraction * idx.size(0)), stored.numel())
-        if n == 0:
-            return idx, targets, candidate
-        pick = stored[torch.randperm(stored.numel(), device=stored.device)[:n]]
-        return (torch.cat([idx, self.replay_tokens[pick, :T]]),
-                torch.cat([targets, self.replay_targets[pick, :T]]),
-                torch.cat([candidate, self.replay_candidates[pick, :T].to(candidate.dtype)]))
-
-    @torch.no_grad()
-    def store_replay_rows(self, idx, targets, final_candidate) -> None:
-        """Write the rows' final candidate logits (with their tokens) into the ring buffer."""
-        rows, T = idx.shape
-        size = self.config.replay_buffer_size
-        keep = min(rows, size)
-        slots = (self.replay_next + torch.arange(keep, device=idx.device)) % size
-        self.replay_tokens[slots, :T] = idx[-keep:]
-        self.replay_targets[slots, :T] = targets[-keep:]
-        self.replay_candidates[slots, :T] = final_candidate[-keep:].to(self.replay_candidates.dtype)
-        self.replay_lengths[slots] = T
-        self.replay_next.copy_((self.replay_next + keep) % size)
-
     # --- model interface ------------------------------------------------------------------
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
@@ -494,10 +640,10 @@ class EBT(LanguageModel):
         B, T = idx.shape
         check_length(cfg, T)
         candidate = self.initial_candidate(B, T, idx.device, seeded=not self.training)
-        replay = self.training and cfg.replay_buffer_size > 0 and targets is not None
+        replay = self.training and self.replay_store is not None and targets is not None
         all_idx, all_targets = idx, targets
         if replay:
-            all_idx, all_targets, candidate = self.add_replay_rows(idx, targets, candidate)
+            all_idx, all_targets, candidate = self.replay_store.extend(idx, targets, candidate)
         learning = self.training and torch.is_grad_enabled()
         anchor = torch.zeros(0, device=idx.device, requires_grad=True) if learning else None
         noise_std = cfg.langevin_noise_std if self.training else self.eval_noise_std()
@@ -507,7 +653,7 @@ class EBT(LanguageModel):
                 alpha_scale=self.sample_alpha_scale(all_idx.size(0), T, idx.device),
                 noise_std=noise_std, learning=learning)
         if replay:
-            self.store_replay_rows(idx, targets, result.candidate[:B])
+            self.replay_store.store(idx, targets, result.candidate[:B])
         diagnostics = {"energy": result.energies.mean(dim=(1, 2)), "alpha": result.alpha}
         loss = None
         if targets is not None:
@@ -631,7 +777,7 @@ register_family("ebt", EBTConfig, EBT)
 # step embedding shared by 2..3 steps (3 at eval), so every step descends one landscape and the
 # observed stream is computed once; fixed alpha 5 randomised in [2.5, 10]; Langevin noise 3, at
 # eval too; graph kept through the steps; last-step loss; half the batch again replayed from a
-# FIFO of the last 192 rows (at T=1024, V=50304: 39.6 GB in fp32 per rank, in checkpoints too).
+# FIFO of the last 192 rows (kept as top-k distributions: `replay_store_bytes`, docs/benchmarks.md).
 S1 = dict(n_steps=2, alpha=500.0, alpha_learnable=True, alpha_lr_mult=1500.0)
 S2 = dict(n_steps=3, min_steps=2, alpha=5.0, alpha_learnable=False, alpha_randomize=2.0,
           langevin_noise_std=3.0, langevin_noise_eval=True, detach_between_steps=False, truncate_loss=True,
