@@ -124,6 +124,9 @@ def deepspeed_config(cfg: RunConfig, world_size: int, precision: str) -> dict:
     if zero.offload_optimizer:
         zero_json["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     split = batch_split(cfg, world_size)
+    # bf16 under ZeRO-2: gradients accumulate over the micro-batches in fp32, not bf16 (whose 8-bit
+    # mantissa drops a micro-batch's small contributions; docs/design.md, "ZeRO for 85-127M models")
+    data_types = {"grad_accum_dtype": "fp32"} if precision == "bf16" and zero.stage == 2 else {}
     return {
         "train_batch_size": cfg.train.global_batch_size,
         "train_micro_batch_size_per_gpu": split.micro_batch_size,
@@ -133,6 +136,7 @@ def deepspeed_config(cfg: RunConfig, world_size: int, precision: str) -> dict:
         "zero_optimization": zero_json,
         "bf16": {"enabled": precision == "bf16", "check_grad_overflow": True},
         "fp16": {"enabled": precision == "fp16"},
+        "data_types": data_types,
         # the optimizer is torch's AdamW with our parameter groups (or CPU Adam when offloading)
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 2**31 - 1,  # the training loop does its own logging

@@ -32,11 +32,14 @@ EXTRA_CELLS = {
     "ebt_s2": ("ebt-s2-tiny", 2, ["optimizer.decay=all", "optimizer.weight_decay=0.01"]),
     "nrgpt_released": ("nrgpt-tiny", 2, ["model.overrides.dropout=0.1",
                                          "model.overrides.dropout_placement=attention", "optimizer.decay=nanogpt"]),
+    "gpt_bf16": ("gpt-tiny", 2, ["train.precision=bf16", "zero.overlap_comm=true",
+                                 "zero.reduce_bucket_size=5000", "zero.allgather_bucket_size=5000"]),
 }
 """Beyond families x stages, under ZeRO-2 (flavor, stage, overrides): EBT's S2 recipe (random
 step counts and step sizes, Langevin noise also at eval, a replay buffer that differs per rank,
-decay on all but alpha) and NRGPT with the released code's dropout placement and nanoGPT's
-decay set."""
+decay on all but alpha), NRGPT with the released code's dropout placement and nanoGPT's
+decay set, and the OpenWebText configs' ZeRO-2 (bf16 with fp32 gradient accumulation,
+reductions overlapped with backward in several buckets)."""
 N_STEPS = 12
 """Steps of every test run; checkpoints every CKPT_INTERVAL steps."""
 CKPT_INTERVAL = 4
