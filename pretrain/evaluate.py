@@ -191,13 +191,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _device(requested: str | None):
+    from pretrain.engine import training_device
     from pretrain.trained import inference_device
 
     if requested:
         return inference_device(requested)
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
+    return training_device("auto", int(os.environ.get("LOCAL_RANK", "0")))
 
 
 def _run_dir(checkpoint_or_file: Path) -> Path | None:

@@ -350,7 +350,7 @@ def test_a_bad_launch_under_torchrun_is_one_line_with_the_trainers_code(tmp_path
                                  f"output_root={tmp_path}", "train.global_batch_size=3"],
                                 cwd=runs.REPO, env=env, capture_output=True, text=True, timeout=300)
     assert bad_config.returncode == 2
-    assert "train.global_batch_size=3: must be a multiple" in one_error_line(bad_config.stderr)
+    assert "train.global_batch_size=3: 2 processes cannot share it evenly" in one_error_line(bad_config.stderr)
     assert "ChildFailedError" not in bad_config.stderr and "torch.distributed" not in bad_config.stderr
 
 
