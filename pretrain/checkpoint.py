@@ -194,11 +194,24 @@ def file_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _from_rank0(compute):
+    """compute() as rank 0 finds it, on every rank of the job (collective)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return compute()
+    value = [compute() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(value, src=0)
+    return value[0]
+
+
 def _shared(items: list, compute) -> dict:
-    """{item: compute(item)} with the work split over the ranks of the job (every rank gets the
-    whole result). Outside a distributed job, one process does it all."""
+    """{item: compute(item)} for rank 0's `items`, with the work split over the ranks of the job
+    (every rank gets the whole result). The split goes by position in rank 0's list: ranks can
+    disagree on what they see (a listing of a network file system with attribute caching), and
+    a list of their own would leave items to no rank. Outside a distributed job, one process
+    does it all."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return {item: compute(item) for item in items}
+    items = _from_rank0(lambda: items)
     rank, world = dist.get_rank(), dist.get_world_size()
     mine = {item: compute(item) for i, item in enumerate(items) if i % world == rank}
     parts = [None] * world
@@ -206,25 +219,39 @@ def _shared(items: list, compute) -> dict:
     return {k: v for part in parts for k, v in part.items()}
 
 
-def record_files(tag_dir: Path) -> dict[str, list]:
-    """[size, digest] of every checkpoint file, hashed by all ranks together (collective)."""
-    return _shared(checkpoint_files(tag_dir),
-                   lambda rel: [(tag_dir / rel).stat().st_size, file_digest(tag_dir / rel)])
+def record_files(tag_dir: Path, written: dict[str, list] | None = None) -> dict[str, list]:
+    """[size, digest] of every checkpoint file (collective, once every rank has written its
+    files). `written`: relative path -> [size, digest] of the files this rank hashed as it wrote
+    them; the others (rank 0's listing of the directory, the same for every rank) are hashed by
+    all ranks together."""
+    parts = [written or {}]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, written or {})
+    recorded = {rel: record for part in parts for rel, record in part.items()}
+    listed = checkpoint_files(tag_dir) if not dist.is_initialized() or dist.get_rank() == 0 else []
+    recorded |= _shared([rel for rel in listed if rel not in recorded],
+                        lambda rel: [(tag_dir / rel).stat().st_size, file_digest(tag_dir / rel)])
+    return dict(sorted(recorded.items()))
 
 
 def damaged_files(tag_dir: Path, marker: Marker, checksums: bool = True) -> list[str]:
     """What no longer matches the marker's record: "path (why)" per file; [] when intact.
-    Sizes first (cheap), then (with `checksums`) the checksums of the files whose size is right
-    (collective)."""
-    problems, to_hash = [], []
-    for rel, (size, digest) in sorted(marker.files.items()):
-        path = tag_dir / rel
-        if not path.is_file():
-            problems.append(f"{path} (missing)")
-        elif path.stat().st_size != size:
-            problems.append(f"{path} ({path.stat().st_size} bytes, {size} written)")
-        else:
-            to_hash.append(rel)
+    Sizes first (cheap, by rank 0 for every rank), then (with `checksums`) the checksums of the
+    files whose size is right (collective)."""
+    def sizes() -> tuple[list[str], list[str]]:
+        problems, to_hash = [], []
+        for rel, (size, digest) in sorted(marker.files.items()):
+            path = tag_dir / rel
+            if not path.is_file():
+                problems.append(f"{path} (missing)")
+            elif path.stat().st_size != size:
+                problems.append(f"{path} ({path.stat().st_size} bytes, {size} written)")
+            else:
+                to_hash.append(rel)
+        return problems, to_hash
+
+    problems, to_hash = _from_rank0(sizes)
     digests = _shared(to_hash if checksums else [], lambda rel: file_digest(tag_dir / rel))
     problems += [f"{tag_dir / rel} (checksum mismatch)" for rel in digests
                  if digests[rel] != marker.files[rel][1]]
@@ -376,12 +403,31 @@ class _RecordedWrites:
         self.inner = inner
         self.failure: WriteFailure | None = None
         self.bytes = 0
+        self.written: dict[str, list] = {}
+        """Path -> [size, xxh3-64 digest] of each file, hashed as it was written."""
 
     def __getattr__(self, name):  # the rest of the checkpoint engine's interface, unchanged
         return getattr(self.inner, name)
 
     def save(self, state_dict, path) -> None:
-        self.write(path, lambda: self.inner.save(state_dict, path), state_dict)
+        from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+
+        if isinstance(self.inner, TorchCheckpointEngine):  # torch.save, which takes a file object too
+            self.write(path, lambda: self._hashed(path, path, lambda f: self.inner.save(state_dict, f)), state_dict)
+        else:
+            self.write(path, lambda: self.inner.save(state_dict, path), state_dict)
+
+    def save_atomically(self, state, path: Path) -> None:
+        """torch.save `state` to `path` (which appears only when complete), hashed as written."""
+        self.write(path, lambda: atomic_write(path, lambda tmp: self._hashed(path, tmp, lambda f: torch.save(state, f))),
+                   state)
+
+    def _hashed(self, path, target, dump) -> None:
+        """dump(file) writes `target`, hashed on the way and recorded for `path`."""
+        with open(target, "wb") as f:
+            hashing = _HashingFile(f)
+            dump(hashing)
+        self.written[str(path)] = [hashing.size, hashing.digest.hexdigest()]
 
     def makedirs(self, path, exist_ok=False) -> None:
         self.write(path, lambda: self.inner.makedirs(path, exist_ok=exist_ok))
@@ -427,6 +473,21 @@ def _write_failure(error: Exception, path: Path, needed: int) -> WriteFailure:
     if shutil.disk_usage(path.parent).free < needed:
         return WriteFailure(str(path), os.strerror(errno.ENOSPC), True)
     return WriteFailure(str(path), " ".join(str(error).split()), False)
+
+
+class _HashingFile:
+    """A file being written, hashing (xxh3-64) and counting what goes through it."""
+
+    def __init__(self, f):
+        self.f, self.digest, self.size = f, xxhash.xxh3_64(), 0
+
+    def write(self, data) -> int:
+        self.digest.update(data)
+        self.size += memoryview(data).nbytes
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
 
 
 class _ByteCounter:
@@ -646,18 +707,16 @@ class CheckpointManager:
                                    save_latest=False)
             rank_state = {"buffers": {name: b.detach().cpu().clone() for name, b in engine.module.named_buffers()},
                           "rng": capture_rng()}
-            path = rank_state_file(tag_dir, self.rank)
-            writes.write(path, lambda: atomic_write(path, lambda tmp: torch.save(rank_state, tmp)), rank_state)
+            writes.save_atomically(rank_state, rank_state_file(tag_dir, self.rank))
             store = replay_store(engine)
-            if store is not None:
-                store_state, store_path = store.state_dict(), replay_store_file(tag_dir, self.rank)
-                writes.write(store_path, lambda: atomic_write(store_path, lambda tmp: torch.save(store_state, tmp)),
-                             store_state)
+            if store is not None:  # torch.save copies its device tensors to the host one at a time
+                writes.save_atomically(store.state_dict(), replay_store_file(tag_dir, self.rank))
         reports = [None] * self.world_size  # also waits for every rank's writes
         dist.all_gather_object(reports, (writes.failure, writes.bytes))
         failure = next((failure for failure, _ in reports if failure is not None), None)
         if failure is None:
-            files = record_files(tag_dir)
+            files = record_files(tag_dir, {Path(os.path.relpath(path, tag_dir)).as_posix(): record
+                                           for path, record in writes.written.items()})
             if self.rank == 0:
                 marker = Marker(step=step, world_size=self.world_size, config=self.cfg,
                                 model_config=model_config, time=time.time(), files=files, data=data)

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from pretrain.models import build, resolve
-from pretrain.models.ebt import EBT, EBTConfig, EnergyDescent, stream_attention, token_losses
+from pretrain.models.ebt import (EBT, EBTConfig, EnergyDescent, ReplayStore, replay_store_bytes, stream_attention,
+                                 token_losses)
 from pretrain.models.ebt_attention import two_stream_attention
 from pretrain.models.llama import apply_rotary, causal_attention, rotary_tables
 
@@ -417,6 +418,130 @@ def test_replay_buffer_stores_final_candidates_and_restarts_rows_from_them():
     before = store.tensors["tokens"].clone()
     model(idx, targets)
     assert torch.equal(store.tensors["tokens"], before)  # eval neither replays nor stores
+
+
+def test_a_compact_store_keeps_the_top_k_probabilities_and_spreads_the_rest_evenly():
+    model = tiny(replay_buffer_size=3, replay_top_k=4).train()
+    store = model.replay_store
+    idx, targets = data(model)
+    final = 3 * candidate(model, idx)
+    store.store(idx, targets, final)
+    probs, restarted = final.softmax(-1), store.candidates(torch.tensor([0, 1]), 6).softmax(-1)
+    # written from the definition: the 4 largest probabilities as they were, the 7 other ids
+    # sharing the rest of the mass equally
+    top = probs.topk(4, dim=-1)
+    expected = ((1 - top.values.sum(-1, keepdim=True)) / 7).expand_as(probs).scatter(-1, top.indices, top.values)
+    assert torch.allclose(restarted, expected, atol=1e-15, rtol=1e-12)
+    assert (restarted - probs).abs().max() > 1e-3  # the tail is not kept
+    assert store.tensors["top_ids"].dtype == torch.int32 and "logits" not in store.tensors
+
+
+def test_a_descent_restarts_the_same_from_any_logits_of_one_distribution():
+    """Why a compact store may restart rows from log-probabilities instead of the logits: logits
+    that differ by a constant per position descend alike (S2: noise, graph, truncation)."""
+    model = tiny(**S2_OPTIONS).train()
+    idx, targets = data(model)
+    logits = 3 * candidate(model, idx)
+    results = []
+    for start in (logits, logits.log_softmax(-1), logits + torch.randn(2, 6, 1, dtype=torch.float64)):
+        torch.manual_seed(5)
+        result = model.descent(idx, start, 3, targets=targets, noise_std=3.0, learning=True)
+        results.append((result.loss.detach(), result.candidate.softmax(-1)))
+    for loss, probs in results[1:]:
+        assert torch.allclose(loss, results[0][0], atol=0, rtol=1e-12)
+        assert torch.allclose(probs, results[0][1], atol=1e-14, rtol=1e-10)
+
+
+@pytest.mark.parametrize("top_k", [0, 4])
+def test_the_store_is_allocated_on_the_device_of_its_rows_when_first_used(top_k):
+    model = tiny(dtype=torch.float32, replay_buffer_size=3, replay_top_k=top_k).train()
+    assert model.replay_store.tensors == {}  # nothing allocated by building the model
+    idx, targets = data(model)
+    model.replay_store.store(idx.to("meta"), targets.to("meta"), torch.zeros(2, 6, 11, device="meta"))
+    assert {t.device.type for t in model.replay_store.tensors.values()} == {"meta"}
+    model.replay_store.tensors = {}
+    model(idx, targets)
+    assert sum(t.nbytes for t in model.replay_store.tensors.values()) == replay_store_bytes(model.config)
+
+
+def test_replay_store_bytes():
+    assert replay_store_bytes(resolve("ebt-s2-small", {"replay_buffer_size": 0})) == 0
+    small = resolve("ebt-s2-small", {})
+    rows, T, V, k = 192, 1024, 50304, small.replay_top_k
+    assert (small.replay_buffer_size, small.block_size, small.vocab_size) == (rows, T, V)
+    # tokens and targets (int64), lengths, top-k log-probabilities (fp32) with ids (int32), rest
+    assert replay_store_bytes(small) == rows * T * (16 + 8 * k + 4) + 8 * rows
+    assert replay_store_bytes(small) <= 4e9 < rows * T * V * 4  # the whole fp32 logits: 39.6 GB
+    exact = resolve("ebt-s2-small", {"replay_top_k": 0})
+    assert replay_store_bytes(exact) == rows * T * (16 + 4 * V) + 8 * rows
+
+
+def stored_rows(store: ReplayStore) -> list[int]:
+    """The rows of a store (each identified by its first token), youngest first."""
+    return [int(store.tensors["tokens"][slot, 0]) for slot in store.youngest_first()]
+
+
+def saved_stores(config: EBTConfig, rows_per_rank: list[int]) -> dict[int, dict]:
+    """Saved states of stores whose rows are tokens filled with 100 x rank + i (i-th row stored),
+    their candidates random."""
+    saved = {}
+    g = torch.Generator().manual_seed(0)
+    for rank, count in enumerate(rows_per_rank):
+        store = ReplayStore(config)
+        for i in range(count):
+            tokens = torch.full((1, 6), 100 * rank + i)
+            store.store(tokens, tokens + 1, torch.randn(1, 6, config.vocab_size, generator=g, dtype=torch.float64))
+        saved[rank] = store.state_dict()
+    return saved
+
+
+def test_replay_rows_are_dealt_out_over_a_new_world_size_each_once():
+    config = tiny(replay_buffer_size=4, replay_top_k=4).config
+    saved = saved_stores(config, [6, 3])  # rank 0's ring wrapped: it holds rows 2..5
+    dealt = {}
+    for world in (1, 2, 3, 4):
+        for rank in range(world):
+            store = ReplayStore(config)
+            store.deal({r: saved[r] for r in ReplayStore.dealt_from(rank, 2, world)}, 2, rank, world,
+                       torch.device("cpu"))
+            dealt[world, rank] = store
+    # one process keeps the 4 youngest, by age then old rank
+    assert stored_rows(dealt[1, 0]) == [5, 102, 4, 101]
+    # more processes: every saved row exactly once, an old rank's rows going to the new ranks of its residue
+    for world in (2, 3, 4):
+        rows = [row for rank in range(world) for row in stored_rows(dealt[world, rank])]
+        assert sorted(rows) == [2, 3, 4, 5, 100, 101, 102], world
+    assert stored_rows(dealt[4, 0]) == [5, 3] and stored_rows(dealt[4, 2]) == [4, 2]
+    assert stored_rows(dealt[4, 1]) == [102, 100] and stored_rows(dealt[4, 3]) == [101]
+    assert ReplayStore.dealt_from(0, 2, 4) == [0] and ReplayStore.dealt_from(1, 4, 2) == [1, 3]
+    # a dealt row keeps its tokens, targets and kept candidate
+    original = ReplayStore.saved(config, saved[0])
+    slot = next(s for s in original.youngest_first() if int(original.tensors["tokens"][s, 0]) == 4)
+    store = dealt[4, 2]
+    new_slot = next(s for s in store.youngest_first() if int(store.tensors["tokens"][s, 0]) == 4)
+    assert torch.equal(store.tensors["targets"][new_slot], original.tensors["targets"][slot])
+    assert torch.allclose(store.candidates(torch.tensor([new_slot]), 6).softmax(-1),
+                          original.candidates(torch.tensor([slot]), 6).softmax(-1), atol=1e-15, rtol=1e-12)
+
+
+def test_module_state_from_before_the_store_loads_its_replay_buffer_into_it():
+    """Checkpoints written before the replay store held it as module buffers (DeepSpeed's model
+    states, every rank's buffers): loading them fills the store, converted to its layout."""
+    model = tiny(replay_buffer_size=5, replay_top_k=4).train()
+    idx, targets = data(model, batch=4)
+    logits = candidate(model, idx)
+    legacy = {"replay_tokens": torch.zeros(5, 8, dtype=torch.long), "replay_targets": torch.zeros(5, 8, dtype=torch.long),
+              "replay_candidates": torch.zeros(5, 8, 11, dtype=torch.float64),
+              "replay_lengths": torch.tensor([6, 6, 6, 6, 0]), "replay_next": torch.tensor(4)}
+    legacy["replay_tokens"][:4, :6], legacy["replay_targets"][:4, :6] = idx, targets
+    legacy["replay_candidates"][:4, :6] = logits
+    model.load_state_dict({**model.state_dict(), **legacy})  # strict: no unexpected keys
+    reference = ReplayStore(model.config)
+    reference.store(idx, targets, logits)
+    assert model.replay_store.next == 4 and model.replay_store.tensors.keys() == reference.tensors.keys()
+    for name, tensor in reference.tensors.items():
+        assert torch.allclose(model.replay_store.tensors[name].double(), tensor.double(), atol=1e-14, rtol=0), name
+    tiny().load_state_dict({**tiny().state_dict(), **legacy})  # a model without a replay buffer drops them
 
 
 # --- observed-stream reuse, step conditioning, checkpointing -----------------------------
