@@ -1,0 +1,512 @@
+"""`python -m pretrain.plan --config C --gpus N [--gpu h100-80gb|h200|a100-80gb] [--micro-batch M]
+[--json] [key.sub=value ...]`
+
+What one GPU holds when the config trains on N GPUs, before anything runs: parameters, gradients
+and optimizer states for the config's ZeRO stage, the activations of one micro-batch, buffers
+(DeepSpeed's gradient reduce bucket, EBT's replay store) and a margin; the micro-batch and
+gradient accumulation the trainer would choose; tokens per step, FLOPs per token and a step-time
+range at 30-50% of the GPU's peak; whether it fits, and (without --micro-batch) the largest
+micro-batch that would.
+
+The activations are measured, not modelled: the config's model is built at full size on the
+meta device (shapes and dtypes, no memory) and runs one micro-batch's forward and backward with
+the config's activation checkpointing and precision, while every tensor the pass creates is
+counted until it is freed; their peak is the figure. Paper-scale flavors answer in seconds on a
+machine without a GPU."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import dataclasses
+import json
+import math
+import os
+import sys
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from common.cli import ArgumentParser, run_command
+from pretrain.config import (ConfigError, RunConfig, batch_split, load_config, model_config, resolved_precision,
+                             validate)
+from pretrain.engine import deepspeed_config
+from pretrain.flops import peak_tflops
+from pretrain.models import FLAVORS, build, family_name
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    """The device name as torch reports it (`pretrain.flops` looks its peak up by it)."""
+    memory_bytes: int
+    """Device memory as the driver reports it (nvidia-smi's total)."""
+
+
+GPUS = {
+    "h100-80gb": GPU("NVIDIA H100 80GB HBM3", 81559 * 2**20),
+    "h200": GPU("NVIDIA H200", 143771 * 2**20),
+    "a100-80gb": GPU("NVIDIA A100-SXM4-80GB", 81920 * 2**20),
+}
+"""The GPUs a plan can be made for (SXM boards). Their dense bf16 peaks are vendor datasheet
+numbers, in `pretrain.flops.PEAK_BF16_TFLOPS`: 989 TFLOP/s for H100 and H200, 312 for A100."""
+
+MFU_RANGE = (0.5, 0.3)
+"""Model FLOPs utilisation of the fast and the slow end of the step-time range."""
+RESERVED_BYTES = 3 * GIB // 2
+"""Device memory outside torch's allocator: the CUDA context, NCCL's and cuBLAS's buffers."""
+FRAGMENTATION = 0.10
+"""Memory the caching allocator holds in blocks not in use at the peak, as a fraction of what the
+tensors need."""
+
+PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass
+class Parts:
+    """Bytes one GPU holds at the peak of a training step, by part."""
+    parameters: int
+    gradients: int
+    optimizer_states: int
+    activations: int
+    buffers: int
+
+    @property
+    def tensors(self) -> int:
+        return self.parameters + self.gradients + self.optimizer_states + self.activations + self.buffers
+
+    @property
+    def margin(self) -> int:
+        return RESERVED_BYTES + round(FRAGMENTATION * self.tensors)
+
+    @property
+    def total(self) -> int:
+        return self.tensors + self.margin
+
+    def as_dict(self) -> dict[str, int]:
+        return {**dataclasses.asdict(self), "margin": self.margin}
+
+
+# ---------------------------------------------------------------------------------------------
+# Model states: parameters, gradients, optimizer states
+
+
+def model_state_bytes(n_params: int, gathered_params: int, ds_config: dict, world_size: int) -> tuple[int, int, int]:
+    """(parameters, gradients, optimizer states) in bytes on one GPU for AdamW under DeepSpeed
+    configured by `ds_config` (`engine.deepspeed_config`): the weights and gradients in the
+    training precision; with 16-bit training an fp32 master copy of the weights (and under ZeRO,
+    whatever the precision, the fp32 partition the optimizer steps), its fp32 gradient and Adam's
+    two fp32 moments. ZeRO stage 1 partitions the fp32 states over the GPUs, stage 2 also the
+    gradients, stage 3 also the weights (plus the largest module it gathers whole, at 4 bytes per
+    parameter as DeepSpeed's estimate counts it). Gradients accumulated in fp32
+    (`data_types.grad_accum_dtype`) are kept in fp32 only, and the optimizer steps from them.
+    Optimizer offloading moves the fp32 states and the gradient partitions to the host.
+
+    For 16-bit training with 16-bit accumulation this is DeepSpeed's own estimate at stage 2
+    (`estimate_zero2_model_states_mem_needs`: 2 + 18 / GPUs bytes per parameter, with offload 2)
+    and 2 / GPUs above its stage-3 one, which leaves out one of the two gradient partitions."""
+    zero = ds_config["zero_optimization"]
+    stage = zero["stage"]
+    weight = precision_bytes(ds_config)
+    fp32_copy = weight < 4 or stage >= 1
+
+    def share(size: float, partitioned_from: int) -> float:
+        return size / world_size if stage >= partitioned_from else size
+
+    parameters = share(weight * n_params, 3)
+    if stage == 3:
+        parameters += 2 * weight * gathered_params
+    if accumulates_in_fp32(ds_config):
+        gradients = share(4 * n_params, 2)
+    else:
+        gradients = share(weight * n_params, 2) + (share(4 * n_params, 1) if fp32_copy else 0)
+    optimizer = share((4 if fp32_copy else 0) * n_params + 8 * n_params, 1)
+    if "offload_optimizer" in zero:
+        gradients = optimizer = 0
+    return round(parameters), round(gradients), round(optimizer)
+
+
+def precision_bytes(ds_config: dict) -> int:
+    """Bytes per element of the weights DeepSpeed trains."""
+    return 2 if ds_config["bf16"]["enabled"] or ds_config["fp16"]["enabled"] else 4
+
+
+def accumulates_in_fp32(ds_config: dict) -> bool:
+    return precision_bytes(ds_config) < 4 and ds_config.get("data_types", {}).get("grad_accum_dtype") == "fp32"
+
+
+def gathered_parameters(model: nn.Module) -> int:
+    """The most parameters ZeRO-3 gathers at once: the largest module's own parameters, or all
+    parameters of a module it gathers whole (`zero3_leaf_modules`, e.g. EBT's descent)."""
+    leaves = tuple(model.zero3_leaf_modules())
+    return max(sum(p.numel() for p in (module.parameters() if isinstance(module, leaves)
+                                       else module.parameters(recurse=False)))
+               for module in model.modules())
+
+
+def reduce_bucket_bytes(ds_config: dict) -> int:
+    """DeepSpeed's gradient reduce bucket: ZeRO allocates `reduce_bucket_size` elements when
+    gradients are copied into contiguous buffers (always when offloading), twice at stages 1-2
+    to overlap communication; in the training precision, except at stage 1 accumulating in fp32
+    (stage 2 stages 16-bit gradients there and accumulates its partition in fp32)."""
+    zero = ds_config["zero_optimization"]
+    stage = zero["stage"]
+    if stage == 0 or not (zero["contiguous_gradients"] or "offload_optimizer" in zero):
+        return 0
+    copies = 2 if zero["overlap_comm"] and stage < 3 else 1
+    element = 4 if stage == 1 and accumulates_in_fp32(ds_config) else precision_bytes(ds_config)
+    return copies * zero["reduce_bucket_size"] * element
+
+
+def replay_bytes(config: Any) -> int:
+    """One GPU's EBT replay store (0 for other families and with the store off)."""
+    if family_name(config) != "ebt":
+        return 0
+    from pretrain.models.ebt import replay_store_bytes
+
+    return replay_store_bytes(config)
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations: one micro-batch's forward and backward on the meta device
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """Counts the bytes of the tensors created while it is active, from each op's outputs until
+    their storage is freed, and keeps the peak. Views and in-place results share a storage
+    already counted."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self.storages: dict[int, weakref.ref] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor):
+                self.count(tensor.untyped_storage())
+        self.peak = max(self.peak, self.live)
+        return out
+
+    def count(self, storage: torch.UntypedStorage) -> None:
+        key = id(storage)
+        known = self.storages.get(key)
+        if known is not None and known() is storage:
+            return
+        size = storage.nbytes()
+        self.live += size
+        self.storages[key] = weakref.ref(storage, lambda _, key=key, size=size: self.freed(key, size))
+
+    def freed(self, key: int, size: int) -> None:
+        self.live -= size
+        self.storages.pop(key, None)
+
+
+def _flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    if attn_mask is not None or enable_gqa:
+        return torch.ops.aten._scaled_dot_product_attention_math(
+            q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)[0]
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal, scale=scale)[0]
+
+
+@contextlib.contextmanager
+def fused_attention_on_meta():
+    """Inside: scaled_dot_product_attention on meta tensors runs a fused kernel, which keeps
+    the output and one log-sum-exp per row for backward, as the flash and memory-efficient
+    kernels of a GPU (and the CPU's flash kernel) do. torch's own choice for the meta device is
+    the unfused math, which keeps the [T, T] attention weights of every head."""
+    library = torch.library.Library("aten", "IMPL")
+    library.impl("scaled_dot_product_attention", _flash_attention, "AutogradMeta")
+    try:
+        yield
+    finally:
+        library._destroy()
+
+
+def hand_off_gradients(model: nn.Module) -> None:
+    """Drop each parameter's gradient once it is complete, as ZeRO does after copying it into
+    its reduce bucket: the gradients part counts what stays of them."""
+    def drop(param: torch.Tensor) -> None:
+        param.grad = None
+
+    for param in model.parameters():
+        if param.requires_grad:
+            param.register_post_accumulate_grad_hook(drop)
+
+
+def micro_batch_pass(model: nn.Module, micro_batch_size: int, seq_len: int) -> None:
+    """One training micro-batch's forward and backward on random tokens, on the model's device."""
+    device = next(model.parameters()).device
+    idx = torch.randint(0, model.config.vocab_size, (micro_batch_size, seq_len), device=device)
+    model(idx, torch.roll(idx, -1, dims=1)).loss.backward()
+
+
+def descent_rows(config: Any, micro_batch_size: int) -> int:
+    """The rows EBT's descent runs for a micro-batch: with a replay store, the micro-batch plus
+    round(replay_fraction x micro-batch) replayed rows (once the store holds that many)."""
+    if getattr(config, "replay_buffer_size", 0) == 0:
+        return micro_batch_size
+    return micro_batch_size + min(round(config.replay_fraction * micro_batch_size), config.replay_buffer_size)
+
+
+def measured_model_config(config: Any) -> Any:
+    """The config the activations are measured on: the largest step of a training run. EBT's
+    randomised number of descent steps is at its maximum, and replayed rows are given as extra
+    rows of the micro-batch (`descent_rows`) instead of drawn from a store, which the meta
+    device cannot index (the buffers part counts the store)."""
+    config = copy.copy(config)  # fields set directly: the values are valid, they only fix a draw
+    if getattr(config, "min_steps", 0):
+        config.min_steps = 0
+    if getattr(config, "replay_buffer_size", 0):
+        config.replay_buffer_size = 0
+    return config
+
+
+def activation_bytes(config: Any, micro_batch_size: int, seq_len: int, dtype: torch.dtype) -> int:
+    """Peak bytes of the tensors one training micro-batch creates in its forward and backward,
+    the parameters' gradients excepted (handed off as ZeRO does): the config's model built on
+    the meta device in `dtype` (the training precision, as DeepSpeed casts it), with the
+    config's activation checkpointing."""
+    with torch.device("meta"):
+        model = build(measured_model_config(config)).to(dtype).train()
+    hand_off_gradients(model)
+    tracker = LiveTensorBytes()
+    with fused_attention_on_meta(), tracker:
+        micro_batch_pass(model, descent_rows(config, micro_batch_size), seq_len)
+    return tracker.peak
+
+
+def largest_fitting(measure: Callable[[int], int], budget: int, most: int, measured: dict[int, int]) -> int:
+    """The largest b in 1..most with measure(b) <= budget (0 if none), for a `measure` that is
+    convex in b: activations are sums of per-sequence and fixed tensors, so the live bytes at
+    each moment grow affinely with the micro-batch and their peak, the maximum of those lines,
+    is convex. A line through two measured points then lies below the curve outside them, so
+    the points it puts over the budget are over it; a guess the line puts under the budget is
+    measured. `measured` holds known values (and receives new ones); in practice it takes one
+    or two measurements besides the known one."""
+    def value(b: int) -> int:
+        if b not in measured:
+            measured[b] = measure(b)
+        return measured[b]
+
+    def surely_over(b: int) -> bool:
+        points = sorted(measured)
+        for p, q in zip(points, points[1:]):
+            if b > q or b < p:
+                line = measured[p] + (measured[q] - measured[p]) * (b - p) / (q - p)
+                if line > budget:
+                    return True
+        return False
+
+    if not measured:
+        value(1)
+    start = min(measured)
+    if len(measured) < 2 and most > 1:
+        value(start + 1 if start < most else start - 1)
+    while True:
+        fitting = [b for b in measured if measured[b] <= budget]
+        over = [b for b in measured if measured[b] > budget]
+        low, high = max(fitting, default=0), min(over, default=most + 1)
+        if low + 1 >= high or surely_over(low + 1):
+            return low
+        # the secant through the two measured points nearest the bracket guesses the crossing
+        p, q = sorted(sorted(measured, key=lambda b: (abs(b - low), b))[:2])
+        slope = (measured[q] - measured[p]) / (q - p)
+        guess = p + math.floor((budget - measured[p]) / slope) if slope > 0 else high - 1
+        value(min(max(guess, low + 1), high - 1))
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan
+
+
+@dataclass
+class Plan:
+    config_path: str
+    gpus: int
+    gpu: str
+    precision: str
+    zero_stage: int
+    flavor: str
+    family: str
+    activation_checkpointing: str
+    vocab_size: int
+    vocab_source: str
+    n_params: int
+    micro_batch_size: int
+    accumulation_steps: int
+    tokens_per_step: int
+    flops_per_token: float
+    parts: Parts
+    gpu_memory_bytes: int
+    step_time_s: tuple[float, float] | None
+    """(fast, slow) at the MFU_RANGE ends; None without a tensor-core peak (fp32)."""
+    largest_micro_batch_that_fits: int | None
+    """None when the micro-batch was given (--micro-batch)."""
+    per_process_batch: int
+
+    @property
+    def fits(self) -> bool:
+        return self.parts.total <= self.gpu_memory_bytes
+
+    def as_json(self) -> dict:
+        out = {
+            "config": self.config_path, "gpus": self.gpus, "gpu": self.gpu,
+            "gpu_memory_gib": round(self.gpu_memory_bytes / GIB, 2),
+            "memory_per_gpu_gib": round(self.parts.total / GIB, 2), "fits": self.fits,
+            "parts": {name: round(size / GIB, 4) for name, size in self.parts.as_dict().items()},
+            "precision": self.precision, "zero_stage": self.zero_stage, "flavor": self.flavor,
+            "family": self.family, "activation_checkpointing": self.activation_checkpointing,
+            "vocab_size": self.vocab_size, "parameters": self.n_params,
+            "micro_batch_size": self.micro_batch_size, "accumulation_steps": self.accumulation_steps,
+            "tokens_per_step": self.tokens_per_step, "flops_per_token": self.flops_per_token,
+            "step_time_s": None if self.step_time_s is None else [float(f"{t:.4g}") for t in self.step_time_s],
+        }
+        if self.largest_micro_batch_that_fits is not None:
+            out["largest_micro_batch_that_fits"] = self.largest_micro_batch_that_fits
+        return out
+
+
+def dataset_vocabulary(cfg: RunConfig) -> tuple[int, str]:
+    """(token ids, where the number comes from): the prepared dataset's, else the flavor's own."""
+    from data_pipeline.packing import MANIFEST, read_manifest
+
+    if os.path.isfile(os.path.join(cfg.data.path, MANIFEST)):
+        return read_manifest(cfg.data.path)["vocab_size"], f"the dataset at {cfg.data.path}"
+    return FLAVORS[cfg.model.flavor].vocab_size, f"the flavor's own: no prepared dataset at {cfg.data.path}"
+
+
+def make_plan(config_path: str, cfg: RunConfig, gpus: int, gpu: str, micro_batch: int | None = None) -> Plan:
+    """The plan of `cfg` on `gpus` GPUs of kind `gpu` (a key of GPUS). Raises ConfigError for a
+    config the trainer would refuse at that GPU count."""
+    if micro_batch is not None:
+        cfg.data.micro_batch_size = micro_batch
+    validate(cfg, gpus, has_gpu=True)
+    precision = resolved_precision(cfg, has_gpu=True)
+    dtype = PRECISION_DTYPES[precision]
+    vocab, vocab_source = dataset_vocabulary(cfg)
+    config = model_config(cfg, vocab)
+    with torch.device("meta"):
+        model = build(config)
+    n_params = model.num_params()
+    ds_config = deepspeed_config(cfg, gpus, precision)
+    parameters, gradients, optimizer = model_state_bytes(n_params, gathered_parameters(model), ds_config, gpus)
+    buffers = reduce_bucket_bytes(ds_config) + replay_bytes(config)
+    split = batch_split(cfg, gpus)
+    seq_len = cfg.data.seq_len
+
+    def activations(b: int) -> int:
+        return activation_bytes(config, b, seq_len, dtype)
+
+    measured = {split.micro_batch_size: activations(split.micro_batch_size)}
+    parts = Parts(parameters, gradients, optimizer, measured[split.micro_batch_size], buffers)
+    capacity = GPUS[gpu].memory_bytes
+    per_process = cfg.train.global_batch_size // gpus
+    largest = None
+    if micro_batch is None:
+        # total = (static + activations) x (1 + FRAGMENTATION) + RESERVED_BYTES <= capacity
+        static = parameters + gradients + optimizer + buffers
+        budget = math.floor((capacity - RESERVED_BYTES) / (1 + FRAGMENTATION)) - static
+        largest = largest_fitting(activations, budget, per_process, measured)
+    flops_per_token = model.flops_per_token(seq_len, training=True)
+    peak = peak_tflops(GPUS[gpu].name, precision)
+    step_time = None
+    if peak is not None:
+        seconds = flops_per_token * cfg.tokens_per_step / (gpus * peak * 1e12)
+        step_time = tuple(seconds / mfu for mfu in MFU_RANGE)
+    return Plan(config_path=config_path, gpus=gpus, gpu=gpu, precision=precision, zero_stage=cfg.zero.stage,
+                flavor=cfg.model.flavor, family=family_name(config),
+                activation_checkpointing=config.activation_checkpointing, vocab_size=config.vocab_size,
+                vocab_source=vocab_source, n_params=n_params, micro_batch_size=split.micro_batch_size,
+                accumulation_steps=split.accumulation_steps, tokens_per_step=cfg.tokens_per_step,
+                flops_per_token=flops_per_token, parts=parts, gpu_memory_bytes=capacity, step_time_s=step_time,
+                largest_micro_batch_that_fits=largest, per_process_batch=per_process)
+
+
+def describe(plan: Plan, cfg: RunConfig) -> str:
+    """The plan as a readable table."""
+    def gib(size: int) -> str:
+        return f"{size / GIB:8.2f}"
+
+    p = plan.parts
+    lines = [
+        f"{plan.config_path} on {plan.gpus} x {plan.gpu} ({GPUS[plan.gpu].name}, "
+        f"{plan.gpu_memory_bytes / GIB:.1f} GiB), {plan.precision}, ZeRO-{plan.zero_stage}"
+        f"{' with optimizer offload' if cfg.zero.offload_optimizer else ''}",
+        f"model: {plan.flavor} ({plan.family}), {plan.n_params / 1e6:.1f}M parameters, vocabulary "
+        f"{plan.vocab_size} ({plan.vocab_source}), activation checkpointing {plan.activation_checkpointing}",
+        f"batch: global {cfg.train.global_batch_size} = micro-batch {plan.micro_batch_size} x {plan.gpus} GPU(s) x "
+        f"{plan.accumulation_steps} accumulation step(s); {plan.tokens_per_step:,} tokens per step",
+        "",
+        "per GPU                  GiB",
+        f"  parameters        {gib(p.parameters)}",
+        f"  gradients         {gib(p.gradients)}",
+        f"  optimizer states  {gib(p.optimizer_states)}",
+        f"  activations       {gib(p.activations)}   (one micro-batch of {plan.micro_batch_size}, measured)",
+        f"  buffers           {gib(p.buffers)}   (gradient reduce bucket; EBT's replay store)",
+        f"  margin            {gib(p.margin)}   ({RESERVED_BYTES / GIB:.1f} GiB outside torch + "
+        f"{FRAGMENTATION:.0%} of the tensors)",
+        f"  total             {gib(p.total)}   of {plan.gpu_memory_bytes / GIB:.2f}: "
+        f"{'fits' if plan.fits else 'does NOT fit'}",
+        "",
+    ]
+    if plan.largest_micro_batch_that_fits is not None:
+        largest = plan.largest_micro_batch_that_fits
+        if largest == 0:
+            lines.append("largest micro-batch that fits: none (one sequence is already too much)")
+        else:
+            capped = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, micro_batch_size=largest))
+            trainer = batch_split(capped, plan.gpus)
+            lines.append(f"largest micro-batch that fits: {largest} (of {plan.per_process_batch} sequences per GPU "
+                         f"per step; with data.micro_batch_size={largest} the trainer uses "
+                         f"{trainer.micro_batch_size} x {trainer.accumulation_steps} at {plan.gpus} GPU(s))")
+    lines.append(f"FLOPs per token: {plan.flops_per_token:.3e} (training, model FLOPs)")
+    if plan.step_time_s is None:
+        lines.append(f"step time: no tensor-core peak for {plan.precision}")
+    else:
+        fast, slow = plan.step_time_s
+        lines.append(f"step time: {fast:.3f}-{slow:.3f} s at {MFU_RANGE[0]:.0%}-{MFU_RANGE[1]:.0%} of "
+                     f"{peak_tflops(GPUS[plan.gpu].name, plan.precision):g} TFLOP/s per GPU")
+    return "\n".join(lines)
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
+    return int(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = ArgumentParser(prog="python -m pretrain.plan", description=__doc__.split("\n\n")[1])
+    parser.add_argument("--config", required=True, help="YAML run config (configs/...)")
+    parser.add_argument("--gpus", type=_positive, required=True, help="GPUs the run will have (all nodes)")
+    parser.add_argument("--gpu", choices=sorted(GPUS), default="h100-80gb", help="the kind of GPU (default h100-80gb)")
+    parser.add_argument("--micro-batch", type=_positive, metavar="M",
+                        help="plan with data.micro_batch_size=M (default: the config's)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    parser.add_argument("overrides", nargs="*", metavar="key.sub=value",
+                        help="config overrides, values parsed as YAML (e.g. model.activation_checkpointing=block)")
+    args = parser.parse_args(argv)
+    from data_pipeline.errors import DataError
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        plan = make_plan(args.config, cfg, args.gpus, args.gpu, args.micro_batch)
+    except (ConfigError, DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan.as_json()) if args.json else describe(plan, cfg))
+    return 0
+
+
+if __name__ == "__main__":
+    run_command(main)

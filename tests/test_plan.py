@@ -1,0 +1,178 @@
+"""`python -m pretrain.plan`: the activation figure against the CPU allocator's peak for the
+small flavors of every family, the model states against DeepSpeed's own estimators, the search
+for the largest micro-batch, the OpenWebText configs' fit on an 80 GB GPU, and bad input."""
+import dataclasses
+import glob
+import json
+
+import pytest
+import torch
+
+from bench.memory import peak_allocated_bytes
+from pretrain.config import load_config, resolved_precision
+from pretrain.engine import deepspeed_config
+from pretrain.models import build, resolve
+from pretrain.plan import (GIB, activation_bytes, gathered_parameters, hand_off_gradients, largest_fitting,
+                           main, make_plan, micro_batch_pass, model_state_bytes)
+
+MICRO_BATCH = 4
+
+
+def allocator_peak(config, dtype: torch.dtype) -> int:
+    """The peak the CPU allocator sees for one micro-batch of the real model, after a first one
+    (which creates lazily allocated state, e.g. EBT's replay store, that the plan counts apart)."""
+    torch.manual_seed(0)
+    model = build(config).to(dtype).train()
+    hand_off_gradients(model)
+    micro_batch_pass(model, MICRO_BATCH, config.block_size)
+    return peak_allocated_bytes(lambda: micro_batch_pass(model, MICRO_BATCH, config.block_size))
+
+
+@pytest.mark.parametrize("flavor, checkpointing, dtype", [
+    ("gpt-tiny", "off", torch.float32), ("gpt-mini", "off", torch.float32), ("gpt-mini", "block", torch.float32),
+    ("gpt-mini", "off", torch.bfloat16),
+    ("gpt_rec-tiny", "off", torch.float32), ("gpt_rec-tiny", "step", torch.float32),
+    ("nrgpt-tiny", "off", torch.float32), ("nrgpt-mini", "off", torch.float32), ("nrgpt-mini", "step", torch.float32),
+    ("transformer_pp-tiny", "off", torch.float32), ("transformer_pp-mini", "block", torch.bfloat16),
+    ("ebt-tiny", "off", torch.float32), ("ebt-tiny", "step", torch.float32), ("ebt-tiny", "block", torch.float32),
+    ("ebt-mini", "step", torch.float32), ("ebt-s2-tiny", "off", torch.float32), ("ebt-s2-tiny", "step", torch.float32),
+])
+def test_activation_figure_is_the_allocators_peak_within_a_quarter(flavor, checkpointing, dtype):
+    """The figure measured on the meta device against the allocator's timeline of the same
+    micro-batch run for real on the CPU: checkpointing, EBT's double backward and its replayed
+    rows (ebt-s2-tiny) included. (The meta device's own attention would keep every head's
+    [T, T] weights: 70% over for gpt-mini and 50% for nrgpt-mini.)"""
+    config = resolve(flavor, {"activation_checkpointing": checkpointing})
+    planned = activation_bytes(config, MICRO_BATCH, config.block_size, dtype)
+    measured = allocator_peak(config, dtype)
+    print(f"\n{flavor} {checkpointing} {dtype}: planned {planned / 1e6:.2f} MB, allocator {measured / 1e6:.2f} MB")
+    assert abs(planned / measured - 1) < 0.25
+
+
+def test_activation_figure_follows_the_checkpointing_and_the_micro_batch():
+    """Per sequence, checkpointing each block keeps less than keeping everything, and the
+    figure grows with the micro-batch (the search for the largest one relies on it)."""
+    config = resolve("transformer_pp-small", {"block_size": 256, "vocab_size": 512})
+    off = [activation_bytes(config, b, 256, torch.bfloat16) for b in (1, 2, 4)]
+    block = activation_bytes(dataclasses.replace(config, activation_checkpointing="block"), 4, 256, torch.bfloat16)
+    assert off[0] < off[1] < off[2] and off[2] - off[1] == 2 * (off[1] - off[0])
+    assert block < 0.5 * off[2]
+
+
+def test_model_states_are_deepspeeds_estimates():
+    """fp16 at ZeRO-2 (16-bit gradient accumulation) is DeepSpeed's own estimate, with and
+    without offload; ZeRO-3 adds the gradient partition its estimate leaves out; bf16 at
+    ZeRO-2 accumulates in fp32 only (as `engine.deepspeed_config` sets it)."""
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    cfg = load_config("configs/owt/ebt_s1_small.yaml")
+    with torch.device("meta"):
+        model = build(resolve("ebt-s1-small"))
+    n, gpus = model.num_params(), 8
+    gathered = gathered_parameters(model)
+    assert gathered == n  # EBT's descent is gathered whole under ZeRO-3
+
+    def states(precision: str, stage: int, offload: bool = False) -> int:
+        run = dataclasses.replace(cfg, zero=dataclasses.replace(cfg.zero, stage=stage, offload_optimizer=offload))
+        return sum(model_state_bytes(n, gathered, deepspeed_config(run, gpus, precision), gpus))
+
+    rounding = 3  # bytes: each part is rounded on its own
+    for offload in (False, True):
+        _, expected = estimate_zero2_model_states_mem_needs(n, num_gpus_per_node=gpus, cpu_offload=offload)
+        assert abs(states("fp16", 2, offload) - expected) <= rounding
+    _, expected, _ = estimate_zero3_model_states_mem_needs(n, gathered, num_gpus_per_node=gpus, cpu_offload=False)
+    assert abs(states("fp16", 3) - (expected + 2 * n / gpus)) <= rounding
+    assert abs(states("bf16", 2) - (2 * n + 16 * n / gpus)) <= rounding
+    assert states("fp32", 0) == 16 * n  # weights, gradients, two moments; no master copy
+
+
+@pytest.mark.parametrize("curve", [
+    lambda b: 1000 + 300 * b,                        # affine, as activations are
+    lambda b: max(1000 + 300 * b, 4000 + 100 * b),   # convex: the peak moves to another moment
+    lambda b: 50 * b * b,                            # strictly convex
+])
+@pytest.mark.parametrize("budget, most, start", [(5000, 64, 4), (5000, 64, 20), (5000, 10, 10), (500, 64, 1),
+                                                 (10**6, 48, 16)])
+def test_largest_fitting_finds_the_boundary_of_a_convex_curve(curve, budget, most, start):
+    calls = []
+
+    def measure(b):
+        calls.append(b)
+        return curve(b)
+
+    largest = largest_fitting(measure, budget, most, {start: curve(start)})
+    assert largest == max((b for b in range(1, most + 1) if curve(b) <= budget), default=0)
+    assert len(calls) <= 6 and len(set(calls)) == len(calls)
+
+
+def plan_relevant(cfg) -> str:
+    """What a plan depends on: configs that differ only in their data plan alike."""
+    return json.dumps([dataclasses.asdict(section) for section in (cfg.model, cfg.zero)]
+                      + [cfg.data.seq_len, cfg.data.micro_batch_size, cfg.train.global_batch_size,
+                         cfg.train.precision], sort_keys=True)
+
+
+def test_every_openwebtext_config_fits_an_80gb_gpu_at_8_gpus():
+    configs = {}
+    for path in sorted(glob.glob("configs/owt/*.yaml")):
+        configs.setdefault(plan_relevant(load_config(path)), path)
+    assert len(configs) >= 7
+    for path in configs.values():
+        cfg = load_config(path)
+        plan = make_plan(path, cfg, gpus=8, gpu="h100-80gb", micro_batch=cfg.data.micro_batch_size)
+        print(f"\n{path}: {plan.parts.total / GIB:.1f} GiB at micro-batch {plan.micro_batch_size}")
+        assert plan.fits and plan.parts.activations > 0, path
+        assert resolved_precision(cfg, has_gpu=True) == plan.precision == "bf16"
+
+
+def run_main(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_json_plan_of_a_small_config(capsys):
+    code, out, err = run_main(capsys, "--config", "configs/tiny/gpt.yaml", "--gpus", "2", "--gpu", "h200", "--json")
+    assert code == 0, err
+    plan = json.loads(out)
+    parts = plan["parts"]
+    assert set(parts) == {"parameters", "gradients", "optimizer_states", "activations", "buffers", "margin"}
+    assert plan["memory_per_gpu_gib"] == pytest.approx(sum(parts.values()), abs=0.01)
+    assert plan["fits"] is True and plan["gpu_memory_gib"] == pytest.approx(143771 / 1024, abs=0.01)
+    # global 8 over 2 GPUs: the config's micro-batch of 4, no accumulation
+    assert (plan["micro_batch_size"], plan["accumulation_steps"], plan["tokens_per_step"]) == (4, 1, 8 * 64)
+    fast, slow = plan["step_time_s"]
+    assert fast == pytest.approx(plan["flops_per_token"] * 8 * 64 / (2 * 989e12 * 0.5), rel=1e-3) and slow > fast
+    # a tiny model fits every sequence of a GPU's share of the batch
+    assert plan["largest_micro_batch_that_fits"] == 4
+
+    code, out, _ = run_main(capsys, "--config", "configs/tiny/gpt.yaml", "--gpus", "1", "--micro-batch", "2",
+                            "--json", "model.activation_checkpointing=block")
+    plan = json.loads(out)
+    assert (plan["micro_batch_size"], plan["accumulation_steps"]) == (2, 4)
+    assert plan["activation_checkpointing"] == "block" and "largest_micro_batch_that_fits" not in plan
+
+
+def test_table_says_whether_it_fits(capsys):
+    code, out, _ = run_main(capsys, "--config", "configs/tiny/ebt.yaml", "--gpus", "1", "--micro-batch", "8")
+    assert code == 0
+    assert "activations" in out and "fits" in out and "FLOPs per token" in out
+    assert "micro-batch 8 x 1 GPU(s) x 1 accumulation step(s)" in out
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--config", "configs/tiny/gpt.yaml", "--gpus", "2", "--gpu", "v100"], "invalid choice: 'v100'"),
+    (["--config", "configs/tiny/gpt.yaml", "--gpus", "3"], "3 processes cannot share it evenly"),
+    (["--config", "configs/tiny/gpt.yaml", "--gpus", "0"], "expected a positive whole number"),
+    (["--config", "configs/tiny/missing.yaml", "--gpus", "1"], "config file not found"),
+    (["--config", "configs/tiny/gpt.yaml", "--gpus", "1", "model.flavor=gpt-huge"], "unknown model flavor"),
+])
+def test_bad_input_is_one_line_and_status_2(capsys, argv, says):
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's errors
+        code = e.code
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert err.startswith("error: ") and err.count("\n") == 1 and says in err, err
