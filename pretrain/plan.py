@@ -351,7 +351,7 @@ class Plan:
     step_time_s: tuple[float, float] | None
     """(fast, slow) at the MFU_RANGE ends; None without a tensor-core peak (fp32)."""
     largest_micro_batch_that_fits: int | None
-    """None when the micro-batch was given (--micro-batch)."""
+    """None when not looked for (the micro-batch was given: --micro-batch)."""
     per_process_batch: int
 
     @property
@@ -385,11 +385,10 @@ def dataset_vocabulary(cfg: RunConfig) -> tuple[int, str]:
     return FLAVORS[cfg.model.flavor].vocab_size, f"the flavor's own: no prepared dataset at {cfg.data.path}"
 
 
-def make_plan(config_path: str, cfg: RunConfig, gpus: int, gpu: str, micro_batch: int | None = None) -> Plan:
-    """The plan of `cfg` on `gpus` GPUs of kind `gpu` (a key of GPUS). Raises ConfigError for a
-    config the trainer would refuse at that GPU count."""
-    if micro_batch is not None:
-        cfg.data.micro_batch_size = micro_batch
+def make_plan(config_path: str, cfg: RunConfig, gpus: int, gpu: str, find_largest: bool = True) -> Plan:
+    """The plan of `cfg` on `gpus` GPUs of kind `gpu` (a key of GPUS), with the largest
+    micro-batch that fits if `find_largest`. Raises ConfigError for a config the trainer would
+    refuse at that GPU count."""
     validate(cfg, gpus, has_gpu=True)
     precision = resolved_precision(cfg, has_gpu=True)
     dtype = PRECISION_DTYPES[precision]
@@ -412,7 +411,7 @@ def make_plan(config_path: str, cfg: RunConfig, gpus: int, gpu: str, micro_batch
     capacity = GPUS[gpu].memory_bytes
     per_process = cfg.train.global_batch_size // gpus
     largest = None
-    if micro_batch is None:
+    if find_largest:
         # total = (static + activations) x (1 + FRAGMENTATION) + RESERVED_BYTES <= capacity
         static = parameters + gradients + optimizer + buffers
         budget = math.floor((capacity - RESERVED_BYTES) / (1 + FRAGMENTATION)) - static
@@ -499,8 +498,9 @@ def main(argv: list[str] | None = None) -> int:
     from data_pipeline.errors import DataError
 
     try:
-        cfg = load_config(args.config, args.overrides)
-        plan = make_plan(args.config, cfg, args.gpus, args.gpu, args.micro_batch)
+        given = [] if args.micro_batch is None else [f"data.micro_batch_size={args.micro_batch}"]
+        cfg = load_config(args.config, args.overrides + given)
+        plan = make_plan(args.config, cfg, args.gpus, args.gpu, find_largest=args.micro_batch is None)
     except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
