@@ -89,8 +89,9 @@ class EBTConfig(LlamaConfig):
     rows, per rank, on the device (`ReplayStore`; its size: `replay_store_bytes`)."""
     replay_top_k: int = 1024
     """How the replay buffer keeps a candidate distribution, per position: its replay_top_k
-    largest probabilities with their ids, the rest of the mass spread evenly over the other ids;
-    0 (or >= vocab_size) keeps the whole candidate logits, exactly."""
+    largest probabilities with their ids, the rest of the mass spread evenly over the other ids
+    (1024: replayed rows' loss as from the whole logits, measured by `bench.replay`); 0 (or
+    >= vocab_size) keeps the whole candidate logits."""
     replay_fraction: float = 0.25
     """With a replay buffer, each training batch is extended by this fraction of its rows,
     drawn from the buffer and restarted from their stored final candidates."""
