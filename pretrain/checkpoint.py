@@ -572,7 +572,7 @@ def data_identity(manifest: dict, mixture: list[tuple[dict, float | None, float 
 class CheckpointManager:
     """Owns a run's `ckpt/` directory: which checkpoint a run resumes from (checked against the
     config before any work), saving every `checkpoint.interval` steps with retention, loading
-    (through the universal form after a layout change), and per-rank state (buffers, RNG)."""
+    (through the universal form after a layout change), and per-rank state (buffers, RNG, EBT's replay store)."""
 
     def __init__(self, cfg: RunConfig, rank: int, world_size: int):
         self.cfg = cfg
@@ -795,7 +795,7 @@ class CheckpointManager:
         """This rank's buffers and random streams. Per-rank streams have no counterpart at
         another world size, so after a world-size change every rank derives fresh ones from
         (seed, rank, step); a rank that saved no state of its own takes rank 0's buffers (for
-        EBT: its replay rows)."""
+        EBT checkpoints from before the replay store files: its replay rows)."""
         own_state = read_rank_state(tag_dir, self.rank)
         state = own_state if own_state is not None else read_rank_state(tag_dir, 0)
         # not strict: the parameters are DeepSpeed's; EBT takes the replay buffers of checkpoints
