@@ -419,8 +419,10 @@ class _RecordedWrites:
 
     def save_atomically(self, state, path: Path) -> None:
         """torch.save `state` to `path` (which appears only when complete), hashed as written."""
-        self.write(path, lambda: atomic_write(path, lambda tmp: self._hashed(path, tmp, lambda f: torch.save(state, f))),
-                   state)
+        def dump(tmp: Path) -> None:
+            self._hashed(path, tmp, lambda f: torch.save(state, f))
+
+        self.write(path, lambda: atomic_write(path, dump), state)
 
     def _hashed(self, path, target, dump) -> None:
         """dump(file) writes `target`, hashed on the way and recorded for `path`."""

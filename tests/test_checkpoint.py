@@ -120,7 +120,8 @@ def test_every_rank_records_rank_0s_listing_of_a_checkpoint(tmp_path):
     tag_dir.mkdir()
     g = torch.Generator().manual_seed(0)
     for i, name in enumerate(("b.pt", "c.pt", "d.pt", "e.pt")):
-        (tag_dir / name).write_bytes(torch.randint(0, 256, (1000 + i,), generator=g, dtype=torch.uint8).numpy().tobytes())
+        data = torch.randint(0, 256, (1000 + i,), generator=g, dtype=torch.uint8)
+        (tag_dir / name).write_bytes(data.numpy().tobytes())
     result = subprocess.run(runs.torchrun_command([__file__, str(tag_dir)]), env=runs.child_env(), cwd=runs.REPO,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -171,7 +172,9 @@ def to_layout_before_store_files(tag_dir: Path) -> None:
             logits[slot, :length] = store.candidates(torch.tensor([slot]), length)[0]
         legacy = dict(zip(LEGACY_REPLAY_BUFFERS, (store.tensors["tokens"], store.tensors["targets"], logits,
                                                   store.tensors["lengths"], torch.tensor(store.next))))
-        files = [checkpoint.rank_state_file(tag_dir, rank)] + ([tag_dir / "mp_rank_00_model_states.pt"] if rank == 0 else [])
+        files = [checkpoint.rank_state_file(tag_dir, rank)]
+        if rank == 0:
+            files.append(tag_dir / "mp_rank_00_model_states.pt")
         for path in files:
             state = torch.load(path, weights_only=False)
             state["buffers" if path.name.startswith("rank_state") else "module"].update(legacy)

@@ -530,7 +530,8 @@ def test_module_state_from_before_the_store_loads_its_replay_buffer_into_it():
     model = tiny(replay_buffer_size=5, replay_top_k=4).train()
     idx, targets = data(model, batch=4)
     logits = candidate(model, idx)
-    legacy = {"replay_tokens": torch.zeros(5, 8, dtype=torch.long), "replay_targets": torch.zeros(5, 8, dtype=torch.long),
+    legacy = {"replay_tokens": torch.zeros(5, 8, dtype=torch.long),
+              "replay_targets": torch.zeros(5, 8, dtype=torch.long),
               "replay_candidates": torch.zeros(5, 8, 11, dtype=torch.float64),
               "replay_lengths": torch.tensor([6, 6, 6, 6, 0]), "replay_next": torch.tensor(4)}
     legacy["replay_tokens"][:4, :6], legacy["replay_targets"][:4, :6] = idx, targets

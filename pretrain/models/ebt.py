@@ -401,7 +401,8 @@ def kept_probabilities(config: EBTConfig) -> int:
     return config.replay_top_k if config.replay_top_k < config.vocab_size else 0
 
 
-def replay_layout(config: EBTConfig, dtype: torch.dtype = torch.float32) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def replay_layout(config: EBTConfig,
+                  dtype: torch.dtype = torch.float32) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Name -> (shape, dtype) of the tensors of a replay store, with candidates of `dtype` (the
     training candidate's, float32 unless the model runs in float64)."""
     rows, T, V, k = config.replay_buffer_size, config.block_size, config.vocab_size, kept_probabilities(config)
@@ -473,7 +474,8 @@ class ReplayStore:
         logp = candidate.log_softmax(dim=-1)
         top = logp.topk(self.top_k, dim=-1, sorted=False)
         # log(the other ids' probabilities summed / their count), exact however small the rest
-        rest = logp.scatter(-1, top.indices, -math.inf).logsumexp(dim=-1) - math.log(self.config.vocab_size - self.top_k)
+        rest = logp.scatter(-1, top.indices, -math.inf).logsumexp(dim=-1)
+        rest = rest - math.log(self.config.vocab_size - self.top_k)
         return {"top_logp": top.values, "top_ids": top.indices, "rest_logp": rest}
 
     @torch.no_grad()
