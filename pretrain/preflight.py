@@ -119,9 +119,11 @@ def evaluates(cfg: RunConfig, manifest: dict, world_size: int) -> bool:
                           "evaluation, or prepare the dataset with a val fraction")
     micro_batch_size = batch_split(cfg, world_size).micro_batch_size
     if windows < micro_batch_size * world_size:
+        # The trainer may take a smaller micro-batch than configured (to split the global batch).
+        taken = "" if micro_batch_size == data.micro_batch_size else f" ({micro_batch_size})"
         raise ConfigError(f"data.micro_batch_size={data.micro_batch_size}: the val split of the dataset at "
-                          f"{data.path} has {windows} window(s), fewer than one micro-batch "
-                          f"({micro_batch_size}) on each of {world_size} process(es); lower "
+                          f"{data.path} has {windows} window(s), fewer than one micro-batch{taken} "
+                          f"on each of {world_size} process(es); lower "
                           "data.micro_batch_size, prepare the dataset "
                           "with a larger --val-fraction, or with --val-fraction 0 and set eval.interval=0 "
                           "to train without evaluation")

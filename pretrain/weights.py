@@ -7,6 +7,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from pretrain.models.ebt import LEGACY_REPLAY_BUFFERS
+
 
 class LoadError(ValueError):
     """A source that holds no usable trained model; the message is one line."""
@@ -33,10 +35,12 @@ def load_weights(model: nn.Module, tensors: dict[str, torch.Tensor], source: Pat
                  origin: dict[str, str] | None = None) -> None:
     """Load `tensors` (keys of `model.state_dict()`) into `model`: every parameter must be there
     with its shape and nothing else may be (the message names the tensor, as `origin` maps our
-    key to the source's name); buffers the source lacks keep their values (training state such
-    as EBT's replay buffer, which Hugging Face exports leave out)."""
+    key to the source's name); buffers the source lacks keep their values."""
     origin = origin or {}
     expected = model.state_dict()
+    # EBT checkpoints from before the replay store hold its rows as buffers: training state that
+    # a model loaded for use does not need.
+    tensors = {name: t for name, t in tensors.items() if name.rsplit(".", 1)[-1] not in LEGACY_REPLAY_BUFFERS}
     for name, t in tensors.items():
         if name not in expected:
             raise LoadError(f"{source}: tensor {origin.get(name, name)} {list(t.shape)} has no counterpart "

@@ -19,6 +19,7 @@ from pretrain.models.ebt import (EBT, EBTConfig, EnergyDescent, ReplayStore, rep
                                  token_losses)
 from pretrain.models.ebt_attention import two_stream_attention
 from pretrain.models.llama import apply_rotary, causal_attention, rotary_tables
+from pretrain.weights import load_weights
 
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
@@ -543,6 +544,9 @@ def test_module_state_from_before_the_store_loads_its_replay_buffer_into_it():
     for name, tensor in reference.tensors.items():
         assert torch.allclose(model.replay_store.tensors[name].double(), tensor.double(), atol=1e-14, rtol=0), name
     tiny().load_state_dict({**tiny().state_dict(), **legacy})  # a model without a replay buffer drops them
+    for loaded in (tiny(replay_buffer_size=5, replay_top_k=4), tiny()):  # loaded for use: dropped
+        load_weights(loaded, {**model.state_dict(), **legacy}, Path("old-checkpoint"))
+        assert all(torch.equal(t, model.state_dict()[name]) for name, t in loaded.state_dict().items())
 
 
 # --- observed-stream reuse, step conditioning, checkpointing -----------------------------

@@ -126,7 +126,7 @@ def test_eval_noise_option_changes_eval_only_reproducibly_and_leaves_the_rng_alo
         torch.manual_seed(9)
         train_losses.append(model(idx, targets).loss.item())
     assert train_losses[0] == train_losses[1]
-    quiet.load_state_dict(noisy.state_dict())  # the same weights and replay buffer from here on
+    quiet.load_state_dict(noisy.state_dict())  # the same weights from here on
     quiet.eval(), noisy.eval()
     without = s2(langevin_noise_std=0.0)
     without.load_state_dict(quiet.state_dict())
