@@ -251,11 +251,9 @@ def micro_batch_pass(model: nn.Module, micro_batch_size: int, seq_len: int) -> N
 
 
 def descent_rows(config: Any, micro_batch_size: int) -> int:
-    """The rows EBT's descent runs for a micro-batch: with a replay store, the micro-batch plus
-    round(replay_fraction x micro-batch) replayed rows (once the store holds that many)."""
-    if getattr(config, "replay_buffer_size", 0) == 0:
-        return micro_batch_size
-    return micro_batch_size + min(round(config.replay_fraction * micro_batch_size), config.replay_buffer_size)
+    """The rows a micro-batch runs: EBT's replay store adds replayed rows once it is full."""
+    replayed = config.replayed_rows(micro_batch_size) if hasattr(config, "replayed_rows") else 0
+    return micro_batch_size + replayed
 
 
 def measured_model_config(config: Any) -> Any:

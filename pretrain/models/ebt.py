@@ -158,6 +158,12 @@ class EBTConfig(LlamaConfig):
         """Tokens before the observed sequence in the observed stream (the step embedding)."""
         return 1 if self.time_embed else 0
 
+    def replayed_rows(self, batch_size: int) -> int:
+        """Rows a training batch of `batch_size` is extended by from a full replay store."""
+        if self.replay_buffer_size == 0:
+            return 0
+        return min(round(self.replay_fraction * batch_size), self.replay_buffer_size)
+
     @property
     def n_step_embeddings(self) -> int:
         """Rows of the step embedding table (with time_embed)."""
@@ -451,7 +457,7 @@ class ReplayStore:
         if not self.tensors:
             return idx, targets, candidate
         stored = (self.tensors["lengths"] == T).nonzero().flatten()
-        n = min(round(self.config.replay_fraction * idx.size(0)), stored.numel())
+        n = min(self.config.replayed_rows(idx.size(0)), stored.numel())
         if n == 0:
             return idx, targets, candidate
         pick = stored[torch.randperm(stored.numel(), device=stored.device)[:n]]
