@@ -409,6 +409,32 @@ def describe_batch_split(cfg: RunConfig, world_size: int) -> str:
     return line
 
 
+def gpu_attention(cfg: RunConfig) -> tuple[str, int, str] | None:
+    """(kernel, head dim, precision) of the attention that training runs through SDPA on the
+    GPUs (`models.sdpa`): on this node's GPU, or where a login node checks a GPU run, on an
+    H100-class one (A100s take the same kernels); None for a model without SDPA attention."""
+    import torch
+
+    from pretrain.models import resolve
+    from pretrain.models.sdpa import sdpa_kernel
+    config = resolve(cfg.model.flavor, typed_model_overrides(cfg))
+    if config.sdpa_head_dim is None:
+        return None
+    precision = resolved_precision(cfg, has_gpu=True)
+    capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else (9, 0)
+    kernel = sdpa_kernel(config.sdpa_head_dim, precision, capability, dropout=config.dropout > 0)
+    return kernel, config.sdpa_head_dim, precision
+
+
+def describe_attention(cfg: RunConfig, on_gpu: bool) -> list[str]:
+    """The console's line on the GPU attention kernel (none on CPU or without SDPA)."""
+    attention = gpu_attention(cfg) if on_gpu else None
+    if attention is None:
+        return []
+    kernel, head_dim, precision = attention
+    return [f"attention: SDPA's {kernel} kernel on the GPU (head dim {head_dim}, {precision})"]
+
+
 def validate(cfg: RunConfig, world_size: int, has_gpu: bool) -> None:
     """Raise ConfigError for values and combinations that cannot run on this machine."""
     def require(ok: bool, key: str, message: str):
@@ -492,6 +518,14 @@ def validate(cfg: RunConfig, world_size: int, has_gpu: bool) -> None:
     require(cfg.model.compile == "off" or not model_class(model_config).needs_double_backward,
             "model.compile", f"flavor {cfg.model.flavor} differentiates inside its forward (double "
             "backward), which torch.compile does not support; use 'off'")
+    attention = gpu_attention(cfg) if has_gpu else None
+    if attention and attention[0] == "math" and "attention_impl" not in cfg.model.overrides:
+        _, head_dim, precision = attention
+        on_purpose = (", or set model.overrides.attention_impl on purpose (explicit: scores from plain "
+                      "matmuls; sdpa: the math kernel)" if hasattr(model_config, "attention_impl") else "")
+        raise ConfigError(f"model.flavor={cfg.model.flavor}: attention of head dim {head_dim} in {precision} "
+                          "leaves SDPA only its math kernel on the GPU (fp32 scores of [batch, heads, T, T] "
+                          f"kept for backward); use a width whose head dim is a multiple of 8{on_purpose}")
     if not hasattr(model_config, "activation_checkpointing"):
         require(cfg.model.activation_checkpointing in (None, "off"), "model.activation_checkpointing",
                 f"flavor {cfg.model.flavor} has no activation checkpointing")

@@ -33,8 +33,8 @@ import yaml
 from common.cli import ArgumentParser, write_exit_file
 from common.fileio import atomic_write_text
 from pretrain.checkpoint import CheckpointError, CheckpointManager, ResumeState, data_identity
-from pretrain.config import (ConfigError, RunConfig, batch_split, describe_batch_split, load_config,
-                             model_config, resolved_precision, to_dict, validate)
+from pretrain.config import (ConfigError, RunConfig, batch_split, describe_attention, describe_batch_split,
+                             load_config, model_config, resolved_precision, to_dict, validate)
 from pretrain.engine import (configure_device_math, deepspeed_config, distributed_env, initialize,
                              seed_process, training_device)
 from pretrain.evaluate import EvalResult, evaluate, evaluate_downstream
@@ -110,9 +110,9 @@ class Trainer:
             f"{self.non_embedding_params / 1e6:.2f}M non-embedding), {self.world_size} process(es), "
             f"ZeRO-{cfg.zero.stage}, {self.precision}, {data.seq_len} tokens per sequence, "
             f"{'resuming at step ' + str(self.state.step) if self.state.step else 'fresh start'}")
-        self.metrics.print(describe_batch_split(cfg, self.world_size))
-        for note in self.resume_notes:
-            self.metrics.print(note)
+        for line in (describe_batch_split(cfg, self.world_size), *describe_attention(cfg, self.on_gpu),
+                     *self.resume_notes):
+            self.metrics.print(line)
 
     def prepare_data(self) -> dict:
         """The training data's manifest, preparing the dataset first if the config says how."""
@@ -397,10 +397,11 @@ def main(argv: list[str] | None = None) -> int:
         world_size = args.world_size if args.check and args.world_size else distributed_env()[1]
         cfg = load_config(args.config, args.overrides)
         # a login node checks a GPU run (train.device=cuda) as the GPU nodes will run it
-        validate(cfg, world_size, cfg.train.device == "cuda" or torch.cuda.is_available())
+        validate(cfg, world_size, on_gpu := cfg.train.device == "cuda" or torch.cuda.is_available())
         if args.check:
             preflight(cfg, CheckpointManager(cfg, rank=0, world_size=world_size), checking_only=True)
-            print(f"{args.config}: ready for {world_size} process(es): {describe_batch_split(cfg, world_size)}")
+            ready = f"{args.config}: ready for {world_size} process(es): {describe_batch_split(cfg, world_size)}"
+            print("\n".join([ready, *describe_attention(cfg, on_gpu)]))
         code = 0 if args.check else run(cfg)
     except (ConfigError, DataError, NonFiniteError, CheckpointError) as e:
         error = f"error: {e}"

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pretrain.config import ConfigError, batch_split, load_config
+from pretrain.config import ConfigError, batch_split, describe_attention, load_config
 from pretrain.engine import gpu_index
 from pretrain.train import main as train_main
 
@@ -84,19 +84,24 @@ def test_every_config_passes_check_at_every_gpu_count_that_divides_its_batch(con
         if global_batch % world_size == 0:
             split = batch_split(cfg, world_size)
             assert code == 0, err
-            assert out.splitlines()[-1] == (
+            attention = describe_attention(cfg, cfg.train.device == "cuda" or torch.cuda.is_available())
+            assert out.splitlines()[-1 - len(attention):] == [
                 f"{config}: ready for {world_size} process(es): global batch {global_batch} = micro-batch "
                 f"{split.micro_batch_size} x {world_size} process(es) x {split.accumulation_steps} "
                 "accumulation step(s)" + ("" if split.micro_batch_size == cfg.data.micro_batch_size else
                                           f" (data.micro_batch_size={cfg.data.micro_batch_size} is the most; "
                                           f"{global_batch // world_size} sequences per process split evenly "
-                                          f"into micro-batches of {split.micro_batch_size})"))
+                                          f"into micro-batches of {split.micro_batch_size})"), *attention]
         else:
             assert code == 2
             assert err.splitlines() == [err.splitlines()[0]] and err.startswith(
                 f"error: train.global_batch_size={global_batch}: {world_size} processes cannot share it evenly")
     if config.startswith("configs/owt/"):  # the flagship runs launch on 1-16 nodes of 8 GPUs as they are
         assert all(cfg.train.global_batch_size % n == 0 for n in WORLD_SIZES)
+        # and their attention takes a fused kernel (EBT's is written out: no SDPA)
+        assert attention == [] if cfg.model.flavor.startswith("ebt") else (
+            attention[0].startswith("attention: SDPA's flash kernel") or
+            attention[0].startswith("attention: SDPA's efficient kernel"))
 
 
 def test_a_gpu_config_stops_without_a_usable_gpu_and_passes_its_check(datasets, tmp_path):

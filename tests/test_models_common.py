@@ -107,7 +107,7 @@ def test_activation_checkpointing_keeps_peak_memory_flat_in_the_number_of_steps(
 
 
 @pytest.mark.parametrize("flavor, expected", [
-    ("gpt-124m", 124.4e6), ("gpt_rec-85m", 85.2e6), ("nrgpt-ff2w-90m", 90.5e6), ("nrgpt-ff2w-126m", 125.6e6),
+    ("gpt-124m", 124.4e6), ("gpt_rec-85m", 85.2e6), ("nrgpt-ff2w-90m", 90.5e6), ("nrgpt-ff2w-126m", 126.1e6),
 ])
 def test_paper_scale_parameter_counts(flavor, expected):
     with torch.device("meta"):

@@ -67,6 +67,12 @@ class LMConfig:
     init_std: float = 0.02
     """Standard deviation of the normal initialisation of linear and embedding weights."""
 
+    @property
+    def sdpa_head_dim(self) -> int | None:
+        """The head dim of the attention that training runs through SDPA (None: none; see
+        `models.sdpa`)."""
+        return None
+
     def __post_init__(self):
         check_positive(self, "vocab_size", "block_size", "n_embd", "n_head", "init_std")
         check_choice(self, "activation_checkpointing", CHECKPOINTING_MODES)

@@ -31,6 +31,10 @@ class GPTConfig(LMConfig):
     """With `bias`, also a bias in the query/key/value projection (the released GPT_Rec has
     none there, while its other layers have one)."""
 
+    @property
+    def sdpa_head_dim(self) -> int | None:
+        return self.n_embd // self.n_head
+
     def __post_init__(self):
         super().__post_init__()
         check_positive(self, "n_layer")

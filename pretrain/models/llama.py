@@ -69,6 +69,11 @@ class LlamaConfig:
         return self.n_embd // self.n_head
 
     @property
+    def sdpa_head_dim(self) -> int | None:
+        """The head dim of the attention that training runs through SDPA (see `models.sdpa`)."""
+        return self.head_dim
+
+    @property
     def mlp_hidden(self) -> int:
         return round(self.mlp_ratio * self.n_embd)
 

@@ -88,6 +88,12 @@ class NRGPTConfig(LMConfig):
             raise ValueError(f"NRGPTConfig.n_head={self.n_head} must divide n_embd={self.n_embd} "
                              "for lowrank attention")
 
+    @property
+    def sdpa_head_dim(self) -> int | None:
+        if self.attention_impl == "explicit" or (self.grad_mode == "exact" and self.mask == "inclusive"):
+            return None
+        return self.n_embd // self.n_head if self.attention == "lowrank" else self.n_embd
+
 
 def split_heads(t: torch.Tensor, n_head: int) -> torch.Tensor:
     B, T, width = t.shape
@@ -465,9 +471,10 @@ class NRGPT(LearnedPositionLM):
 
 register_family("nrgpt", NRGPTConfig, NRGPT)
 
-# The released OWT model (90.5M) and the same structure at ~125.6M.
+# The released OWT model (90.5M) and the same structure at 126.1M (D = 1024: the full heads' head
+# dim is D, and SDPA's fused kernels need a multiple of 8 in bf16; D = 1020 fell to its math kernel).
 register_flavor("nrgpt-ff2w-90m", NRGPTConfig())
-register_flavor("nrgpt-ff2w-126m", NRGPTConfig(n_embd=1020))
+register_flavor("nrgpt-ff2w-126m", NRGPTConfig(n_embd=1024))
 register_flavor("nrgpt-tiny", NRGPTConfig(vocab_size=512, block_size=64, n_embd=32, n_head=2, n_steps=3))
 # Scaling sweep sizes at the widths of gpt-mini / gpt-small.
 register_flavor("nrgpt-mini", NRGPTConfig(vocab_size=512, block_size=256, n_embd=64, n_head=4, n_steps=4))
