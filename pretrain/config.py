@@ -170,6 +170,14 @@ class TrainSection:
     reload the last good checkpoint."""
     max_reloads: int = 2
     """Checkpoint reloads allowed for non-finite updates before the run stops with an error."""
+    skip_spikes: str = "auto"
+    """Skip an update whose loss or gradient norm (before clipping) is a spike: more than
+    `spike_sigmas` standard deviations above the mean of the last `spike_window` updates'.
+    "auto": on for NRGPT (its training spikes at learning rates near the best), "on" or "off"."""
+    spike_window: int = 100
+    """Updates the spike statistics are taken over; no update is judged before there are this many."""
+    spike_sigmas: float = 6.0
+    """How many standard deviations above the rolling mean make a spike."""
     peak_tflops: float | None = None
     """Peak dense TFLOP/s of one device for MFU; None looks the device up in pretrain.flops."""
     tf32: bool = True
@@ -246,6 +254,11 @@ class FaultSection:
     in a process (so a step replayed after a checkpoint reload runs clean, like a transient fault)."""
     nan_loss_rank: int = 0
     """The rank that sees the injected NaN."""
+    spike_loss_steps: list[int] = field(default_factory=list)
+    """Optimizer steps whose loss is multiplied by `spike_loss_factor` on every rank, the first
+    time each is run in a process: a loss and gradient-norm spike."""
+    spike_loss_factor: float = 1000.0
+    """The factor of an injected spike."""
 
 
 @dataclass
@@ -459,6 +472,9 @@ def validate(cfg: RunConfig, world_size: int, has_gpu: bool) -> None:
     for key in ("train.max_steps", "train.max_tokens", "schedule.decay_steps", "train.peak_tflops"):
         require(get_key(cfg, key) is None or get_key(cfg, key) > 0, key, "must be > 0")
     require(cfg.train.max_consecutive_skips >= 1, "train.max_consecutive_skips", "must be >= 1")
+    require(cfg.train.skip_spikes in ("auto", "on", "off"), "train.skip_spikes", "must be 'auto', 'on' or 'off'")
+    require(cfg.train.spike_window >= 2, "train.spike_window", "must be >= 2")
+    require(cfg.train.spike_sigmas > 0, "train.spike_sigmas", "must be > 0")
 
     require(cfg.optimizer.lr > 0, "optimizer.lr", "must be > 0")
     require(len(cfg.optimizer.betas) == 2 and all(0 <= b < 1 for b in cfg.optimizer.betas),

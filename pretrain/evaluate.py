@@ -82,10 +82,17 @@ def bits_per_byte(loss_nats: float, tokens: int, utf8_bytes: int) -> float:
 
 @torch.no_grad()
 def evaluate(engine, val_loader, settings: EvalSection, device: torch.device, seed: int,
-             decode, token_bytes: torch.Tensor | None = None) -> EvalResult:
-    """Evaluate on `settings.batches` val micro-batches per rank (cycling a short split).
-    `decode(ids) -> str` turns token ids (any id the model can produce) into text;
-    `token_bytes` [vocab] holds the UTF-8 bytes of each token id's text, for bits per byte."""
+             manifest: dict) -> EvalResult:
+    """Evaluate on `settings.batches` val micro-batches per rank (cycling a short split) of the
+    dataset `manifest` describes: its tokenizer decodes the sample (any id the model can produce)
+    and gives each token's UTF-8 bytes, for bits per byte."""
+    from data_pipeline.tokenizer import decode, decode_padded, token_byte_lengths
+
+    def text(ids: list[int]) -> str:
+        return decode_padded(lambda run: decode(manifest, run), ids, manifest["vocab_size"])
+
+    byte_lengths = token_byte_lengths(manifest)
+    token_bytes = None if byte_lengths is None else torch.from_numpy(byte_lengths).to(device)
     model = engine.module
     thinks = hasattr(model, "think")
     devices = [device.index or 0] if device.type == "cuda" else []
@@ -123,8 +130,7 @@ def evaluate(engine, val_loader, settings: EvalSection, device: torch.device, se
                 dist.broadcast(prompt, src=0)  # one prompt, so every rank makes the same calls
                 ids = model.generate(prompt, settings.sample_tokens,
                                      temperature=settings.sample_temperature)
-                sample = (decode(prompt[0].tolist()) + PROMPT_END
-                          + decode(ids[0, prompt.size(1):].tolist()))
+                sample = text(prompt[0].tolist()) + PROMPT_END + text(ids[0, prompt.size(1):].tolist())
     finally:
         engine.train()
     if not thinks:

@@ -14,10 +14,15 @@ class Faults:
         self.fault, self.rank = fault, rank
         self.fired: set[int] = set()
 
-    def loss(self, loss: torch.Tensor, step: int) -> torch.Tensor:
-        """A NaN loss on one rank, once per listed step (a reload after non-finite updates
-        passes the same steps again, without the fault)."""
-        if step in self.fault.nan_loss_steps and self.rank == self.fault.nan_loss_rank and step not in self.fired:
+    def loss(self, loss: torch.Tensor, step: int, last_micro: bool) -> torch.Tensor:
+        """A NaN loss on one rank, or a spike on every rank, once per listed step (a reload after
+        non-finite updates passes the same steps again, without the fault)."""
+        if step in self.fired:
+            return loss
+        if step in self.fault.nan_loss_steps and self.rank == self.fault.nan_loss_rank:
             self.fired.add(step)
             return loss * math.nan
+        if step in self.fault.spike_loss_steps:
+            self.fired.update([step] if last_micro else [])  # every micro-batch of the step spikes
+            return loss * self.fault.spike_loss_factor
         return loss

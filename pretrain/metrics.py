@@ -17,6 +17,7 @@ from torch.utils.tensorboard.summary import hparams as hparams_summary
 from tqdm import tqdm
 
 from pretrain.flops import achieved_tflops, mfu
+from pretrain.summary import TrainState
 
 
 @dataclass
@@ -27,6 +28,8 @@ class StepResult:
     """Mean training loss over every rank's micro-batches (non-finite ones counted as 0)."""
     nonfinite: bool
     """The update was skipped: a loss or the gradient norm was not finite on some rank."""
+    spike: bool
+    """The update was skipped as a loss or gradient-norm spike (`optim.SpikeGuard`)."""
     lr: float
     """Base learning rate of the step."""
     lrs: dict[str, float]
@@ -158,8 +161,7 @@ class Metrics:
         elapsed = time.perf_counter() - self.start_time
         return elapsed / done * (self.total_steps - step) if done > 0 else math.nan
 
-    def log_step(self, step: int, result: StepResult, throughput: Throughput, tokens_seen: int,
-                 skipped_steps: int) -> None:
+    def log_step(self, step: int, result: StepResult, throughput: Throughput, state: TrainState) -> None:
         """TensorBoard scalars and the console line of the step just taken; throughput figures
         are averages over the steps since the previous log point (whose interval this ends)."""
         values = {"train/lr": result.lr, **{"train/lr/" + name: lr for name, lr in result.lrs.items()}}
@@ -167,8 +169,9 @@ class Metrics:
             values["train/loss"] = result.loss
         if result.grad_norm is not None:
             values["train/grad_norm"] = result.grad_norm
-        values.update({"train/tokens_seen": tokens_seen, **throughput.figures(),
-                       "train/skipped_steps": skipped_steps, **result.diagnostics})
+        values.update({"train/tokens_seen": state.tokens_seen, **throughput.figures(),
+                       "train/skipped_steps": state.skipped_steps, "train/spike_skips": state.spike_skips,
+                       **result.diagnostics})
         throughput.reset_interval()
         self.scalars(step, values)
         self.console(step, values)

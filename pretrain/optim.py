@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from pretrain.config import DECAY_SETS, ConfigError, OptimizerSection, ScheduleSection, ZeroSection
+from pretrain.config import DECAY_SETS, ConfigError, OptimizerSection, ScheduleSection, TrainSection, ZeroSection
+from pretrain.summary import TrainState
 
 
 def undecayed_names(model: nn.Module, decay_set: str) -> set[str]:
@@ -74,6 +75,76 @@ def param_groups(model: nn.Module, opt: OptimizerSection) -> tuple[list[dict], l
     return groups, infos
 
 
+class SpikeGuard:
+    """Skips an update whose loss or gradient norm before clipping is a spike: more than
+    `sigmas` standard deviations above the mean of the last `window` updates' (OLMo-core's rule
+    for its skip-step optimizers). Every judged update joins the statistics, skipped or not, so
+    that a lasting change of level stops counting as a spike after a while. The statistics live
+    in the run's `TrainState`, which checkpoints hold: a resumed run judges as the uninterrupted
+    one would.
+
+    The trainer `arm`s the guard with the update's loss (the mean over ranks) before the
+    optimizer step, the step asks `veto` once the gradient norm is known and before anything is
+    applied (ZeRO asks once per parameter group: the verdict is the update's), and `settle`
+    records the update. A non-finite update, which the optimizers skip before asking, is neither
+    judged nor recorded; nor is any update of a guard that is off (never `install`ed)."""
+
+    def __init__(self, window: int, sigmas: float, on: bool = True):
+        self.window, self.sigmas, self.on = window, sigmas, on
+        self.state, self.loss, self.grad_norm, self.verdict = TrainState(), math.nan, math.nan, None
+
+    @classmethod
+    def for_run(cls, train: TrainSection, family: str) -> SpikeGuard:
+        on = train.skip_spikes == "on" or (train.skip_spikes == "auto" and family == "nrgpt")
+        return cls(train.spike_window, train.spike_sigmas, on)
+
+    def install(self, engine) -> None:
+        """Give the guard its say over each update of the DeepSpeed `engine` (when it is on),
+        between the gradient norm and the update: the ZeRO optimizers compute the global norm
+        before clipping, then step their inner optimizer (torch's AdamW, or DeepSpeed's CPU
+        Adam), which is skipped on a veto; without ZeRO, `GuardedAdamW` asks itself."""
+        if not self.on:
+            return
+        wrapper = engine.optimizer
+        inner = getattr(wrapper, "optimizer", wrapper)
+        if isinstance(inner, GuardedAdamW):
+            inner.guard = self
+            return
+        apply_update = inner.step
+
+        def step(*args, **kwargs):
+            return None if self.veto(float(wrapper._global_grad_norm)) else apply_update(*args, **kwargs)
+        inner.step = step
+
+    def arm(self, state: TrainState, loss: float) -> None:
+        self.state, self.loss, self.verdict = state, loss, None
+
+    def spike(self, history: list[float], value: float) -> bool:
+        if len(history) < self.window:
+            return False
+        mean = sum(history) / len(history)
+        std = math.sqrt(sum((x - mean) ** 2 for x in history) / (len(history) - 1))
+        return value > mean + self.sigmas * std
+
+    def veto(self, grad_norm: float) -> bool:
+        if self.verdict is None:
+            self.grad_norm = grad_norm
+            self.verdict = (self.spike(self.state.recent_losses, self.loss)
+                            or self.spike(self.state.recent_grad_norms, grad_norm))
+        return self.verdict
+
+    def settle(self) -> bool:
+        """Record the armed update (if it was judged); whether it was skipped as a spike."""
+        if self.verdict is None:
+            return False
+        state = self.state
+        for history, value in ((state.recent_losses, self.loss), (state.recent_grad_norms, self.grad_norm)):
+            history.append(value)
+            del history[:-self.window]
+        state.spike_skips += self.verdict
+        return self.verdict
+
+
 class GuardedAdamW(torch.optim.AdamW):
     """AdamW that clips the global gradient norm itself and skips its update when that norm is
     not finite, for training without ZeRO: DeepSpeed then applies whatever gradients it has,
@@ -86,6 +157,8 @@ class GuardedAdamW(torch.optim.AdamW):
         self.max_grad_norm = max_grad_norm
         self.overflow = False
         self._global_grad_norm = None
+        self.guard: SpikeGuard | None = None
+        """Set by `SpikeGuard.install`."""
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -93,7 +166,7 @@ class GuardedAdamW(torch.optim.AdamW):
         norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         self._global_grad_norm = norm.item()
         self.overflow = not math.isfinite(self._global_grad_norm)
-        if self.overflow:
+        if self.overflow or (self.guard is not None and self.guard.veto(self._global_grad_norm)):
             return None
         if self.max_grad_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, norm)

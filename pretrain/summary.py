@@ -28,6 +28,12 @@ class TrainState:
     """Updates skipped because a loss or the gradient norm was not finite."""
     reloads: int = 0
     """Reloads of the last good checkpoint after repeated non-finite updates."""
+    spike_skips: int = 0
+    """Updates skipped as loss or gradient-norm spikes (`train.skip_spikes`)."""
+    recent_losses: list[float] = field(default_factory=list)
+    """Losses of the latest updates (up to `train.spike_window`): the spike statistics."""
+    recent_grad_norms: list[float] = field(default_factory=list)
+    """Their gradient norms before clipping."""
     last_train_loss: float | None = None
     """Mean training loss of the latest applied step."""
     last_val_loss: float | None = None

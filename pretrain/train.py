@@ -42,7 +42,7 @@ from pretrain.faults import Faults
 from pretrain.flops import peak_tflops
 from pretrain.metrics import Metrics, StepResult, Throughput, diagnostic_scalars
 from pretrain.models import build, family_name
-from pretrain.optim import build_optimizer, lr_factor, param_groups, set_lr
+from pretrain.optim import SpikeGuard, build_optimizer, lr_factor, param_groups, set_lr
 from pretrain.preflight import check_dataset, evaluates, preflight
 from pretrain.stopping import (EXIT_PREEMPTED, Aborted, StopSignals, StoppedInSetup, ignore_stop_signals,
                                stopped_line)
@@ -155,6 +155,8 @@ class Trainer:
         optimizer = build_optimizer(groups, cfg.optimizer, cfg.zero, self.on_gpu)
         self.engine = initialize(model, optimizer, deepspeed_config(cfg, self.world_size, self.precision),
                                  compile_backend=cfg.model.compile)
+        self.spikes = SpikeGuard.for_run(cfg.train, family_name(self.model_config))
+        self.spikes.install(self.engine)
         device_name = torch.cuda.get_device_name(self.device) if self.on_gpu else None
         self.throughput = Throughput(self.flops_per_token, self.world_size,
                                      cfg.train.peak_tflops or peak_tflops(device_name, self.precision),
@@ -217,9 +219,11 @@ class Trainer:
             else:
                 consecutive_skips = 0
                 self.state.last_train_loss = result.loss
+            if result.spike:
+                self.metrics.print(f"step {self.state.step}: loss {result.loss:.4g}, gradient norm "
+                                   f"{result.grad_norm:.4g}: a spike, update skipped on all ranks")
             if log_now:
-                self.metrics.log_step(self.state.step, result, self.throughput, self.state.tokens_seen,
-                                      self.state.skipped_steps)
+                self.metrics.log_step(self.state.step, result, self.throughput, self.state)
 
             if consecutive_skips >= cfg.train.max_consecutive_skips:
                 self._reload_after_nonfinite(consecutive_skips)
@@ -269,31 +273,33 @@ class Trainer:
             targets = targets.to(self.device, non_blocking=True)
             last_micro = micro == self.split.accumulation_steps - 1
             out = engine(inputs, targets, return_energies=log_now and last_micro)
-            loss = self.faults.loss(out.loss.float(), step + 1)
+            loss = self.faults.loss(out.loss.float(), step + 1, last_micro)
             finite = torch.isfinite(loss)
             nonfinite += ~finite
             loss_sum += torch.where(finite, loss.detach(), 0.0)
             # A non-finite loss must make the gradients non-finite too (they may not be, e.g.
             # for a NaN added outside the graph), so that ZeRO's check skips the update.
             engine.backward(loss * torch.where(finite, 1.0, math.nan))
-            if last_micro and log_now and self.rank == 0:
-                diagnostics = diagnostic_scalars(out.diagnostics, family_name(self.model_config))
+            if last_micro:
+                if log_now and self.rank == 0:
+                    diagnostics = diagnostic_scalars(out.diagnostics, family_name(self.model_config))
+                # the update's loss over all ranks, before the optimizer step the spike guard vetoes
+                stop_requested = torch.tensor(float(self.stops.signum != 0), device=self.device)
+                stats = torch.stack([loss_sum, nonfinite, stop_requested])
+                dist.all_reduce(stats)
+                loss_total, nonfinite_total, stop = stats.tolist()
+                mean_loss = loss_total / (self.split.accumulation_steps * self.world_size)
+                self.spikes.arm(self.state, mean_loss)
             engine.step()
-
-        stop_requested = torch.tensor(float(self.stops.signum != 0), device=self.device)
-        stats = torch.stack([loss_sum, nonfinite, stop_requested])
-        dist.all_reduce(stats)
-        loss_total, nonfinite_total, stop = stats.tolist()
         # every optimizer skips an update with non-finite gradients on all ranks (ZeRO's own
         # check, or optim.GuardedAdamW without ZeRO) and says so through was_step_applied
         applied = engine.was_step_applied()
         grad_norm = engine.get_global_grad_norm() if applied else None
         # fp16 loss scaling skips overflowing steps by design; those are not faults
         skipped_by_fault = nonfinite_total > 0 or (not applied and self.precision != "fp16")
-        result = StepResult(loss=loss_total / (self.split.accumulation_steps * self.world_size),
-                            nonfinite=skipped_by_fault, lr=lr, lrs=lrs, time_s=time.perf_counter() - start,
-                            grad_norm=None if grad_norm is None else float(grad_norm), diagnostics=diagnostics,
-                            stop=stop > 0, data_wait_s=data_wait, tokens=cfg.tokens_per_step)
+        result = StepResult(loss=mean_loss, nonfinite=skipped_by_fault, spike=self.spikes.settle(), lr=lr, lrs=lrs,
+                            time_s=time.perf_counter() - start, data_wait_s=data_wait, tokens=cfg.tokens_per_step,
+                            grad_norm=None if grad_norm is None else float(grad_norm), diagnostics=diagnostics, stop=stop > 0)
         self.throughput.add(result)
         return result
 
@@ -327,15 +333,7 @@ class Trainer:
     # --- evaluation and summary -----------------------------------------------------------
 
     def run_eval(self) -> EvalResult:
-        from data_pipeline.tokenizer import decode, decode_padded, token_byte_lengths
-
-        def text(ids: list[int]) -> str:
-            return decode_padded(lambda run: decode(self.manifest, run), ids, self.manifest["vocab_size"])
-
-        byte_lengths = token_byte_lengths(self.manifest)
-        result = evaluate(self.engine, self.val_loader, self.cfg.eval, self.device,
-                          seed=self.cfg.seed, decode=text,
-                          token_bytes=None if byte_lengths is None else torch.from_numpy(byte_lengths).to(self.device))
+        result = evaluate(self.engine, self.val_loader, self.cfg.eval, self.device, self.cfg.seed, self.manifest)
         state = self.state
         state.record_eval(result.loss, result.think_losses)
         self.metrics.scalars(state.step, result.scalars())
@@ -361,7 +359,7 @@ class Trainer:
             steps=state.step,
             extra={"flops_per_token": self.flops_per_token, "precision": self.precision,
                    "zero_stage": cfg.zero.stage, "global_batch_size": cfg.train.global_batch_size,
-                   "seq_len": cfg.data.seq_len, "skipped_steps": state.skipped_steps,
+                   "seq_len": cfg.data.seq_len, "skipped_steps": state.skipped_steps, "spike_skips": state.spike_skips,
                    "reloads": state.reloads, "think_losses": state.think_losses,
                    "tokens_per_s": self.throughput.session_tokens_per_s(),
                    "model_config": asdict(self.model_config), "downstream": self.downstream},

@@ -170,6 +170,33 @@ def test_nonfinite_updates_that_keep_coming_stop_with_a_clear_error():
     assert not (runs.run_dir(name) / "summary.json").exists()
 
 
+def test_a_loss_spike_is_skipped_everywhere_and_a_resumed_run_judges_alike():
+    """NRGPT guards against spikes by default. With statistics over 4 updates, an injected
+    spike (every rank's loss x 1000 at step 8, so its gradients too) is judged before the
+    update: every rank's fp32 master partition stays as it was, the next update is applied. A
+    run resumed from step 6 carries the statistics in its checkpoint, so it judges step 8 alike
+    and logs the uninterrupted run's losses exactly."""
+    name = "spike"
+    overrides = runs.run_overrides("nrgpt", 2) + [
+        "checkpoint.interval=1", "checkpoint.keep=20", "train.spike_window=4", "fault.spike_loss_steps=[8]"]
+    for run, extra in ((name, []), (name + "-resumed", [f"resume={runs.run_dir(name) / 'ckpt' / 'step_00000006'}"])):
+        result = subprocess.run(runs.train_command(overrides + [f"run_name={run}", *extra]), env=runs.child_env(),
+                                cwd=runs.REPO, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "step 8: loss " in result.stdout and ": a spike, update skipped on all ranks" in result.stdout
+        summary = json.loads((runs.run_dir(run) / "summary.json").read_text())
+        assert summary["spike_skips"] == 1 and summary["skipped_steps"] == 0
+        assert runs.scalars(run, "train/spike_skips")[runs.N_STEPS] == 1
+    before, after, later = (_optimizer_shards(runs.run_dir(name) / "ckpt", s) for s in (7, 8, 9))
+    for rank in (0, 1):
+        assert torch.equal(before[rank], after[rank]), f"rank {rank} applied the spike"
+        assert not torch.equal(after[rank], later[rank]), f"rank {rank} did not resume updating"
+    reference, resumed = runs.scalars(name, "train/loss"), runs.scalars(name + "-resumed", "train/loss")
+    assert reference[8] > 100 * reference[7]  # the spike is logged: it was a real loss
+    assert sorted(resumed) == list(range(7, runs.N_STEPS + 1))
+    assert all(resumed[step] == reference[step] for step in resumed), (resumed, reference)
+
+
 def test_config_in_run_directory_is_the_resolved_one(matrix):
     name = runs.reference_name("nrgpt", 1)
     cfg = load_config(runs.run_dir(name) / "config.yaml")
