@@ -83,8 +83,9 @@ def reference_mask(n_obs: int, n_rows: int, first_row: int, n_prefix: int) -> to
     return allowed
 
 
+@pytest.mark.parametrize("chunks", [1, 4])
 @pytest.mark.parametrize("n_obs, n_rows, first_row, n_prefix", [(6, 6, 0, 0), (7, 6, 0, 1), (6, 2, 4, 0)])
-def test_two_stream_attention_equals_full_masked_attention(n_obs, n_rows, first_row, n_prefix):
+def test_two_stream_attention_equals_full_masked_attention(n_obs, n_rows, first_row, n_prefix, chunks):
     torch.manual_seed(0)
     B, H, hd = 2, 3, 4
     q_obs, k_obs, v_obs = (torch.randn(B, H, n_obs, hd, dtype=torch.float64) for _ in range(3))
@@ -92,17 +93,20 @@ def test_two_stream_attention_equals_full_masked_attention(n_obs, n_rows, first_
     scores = torch.cat([q_obs, q], 2) @ torch.cat([k_obs, k], 2).transpose(-1, -2) / math.sqrt(hd)
     scores = scores.masked_fill(~reference_mask(n_obs, n_rows, first_row, n_prefix), float("-inf"))
     expected = (scores.softmax(-1) @ torch.cat([v_obs, v], 2))[:, :, n_obs:]
-    got = two_stream_attention(q, k, v, k_obs, v_obs, offset=first_row + n_prefix)
+    got = two_stream_attention(q, k, v, k_obs, v_obs, offset=first_row + n_prefix, chunks=chunks)
     assert torch.allclose(got, expected, atol=1e-13, rtol=0)
 
 
-@pytest.mark.parametrize("n_rows, n_obs, offset, observed_grad", [
-    (4, 5, 1, True),    # one row per chunk
-    (7, 7, 0, True),    # chunks of uneven size, no prefix
-    (6, 9, 3, True),    # a prefix: the first chunk already sees several observed keys
-    (5, 6, 1, False),   # the energy gradient: observed keys and values are constants
+@pytest.mark.parametrize("n_rows, n_obs, offset, observed_grad, chunks", [
+    (4, 5, 1, True, 4),     # one row per chunk
+    (7, 7, 0, True, 4),     # chunks of uneven size, no prefix
+    (6, 9, 3, True, 4),     # a prefix: the first chunk already sees several observed keys
+    (5, 9, 1, True, 2),     # the last rows see 6 of the 9 observed keys
+    (6, 9, 3, True, 1),     # one chunk (a GPU's), over every key
+    (5, 6, 1, False, 4),    # the energy gradient: observed keys and values are constants
+    (5, 6, 1, False, 1),
 ])
-def test_two_stream_attention_first_and_second_derivatives(n_rows, n_obs, offset, observed_grad):
+def test_two_stream_attention_first_and_second_derivatives(n_rows, n_obs, offset, observed_grad, chunks):
     """The hand-written first and second derivatives (ebt_attention.py) against finite
     differences in float64: gradcheck and gradgradcheck, which also checks the backward of the
     backward w.r.t. the incoming gradient. The row chunking and the skipped observed-key
@@ -110,7 +114,7 @@ def test_two_stream_attention_first_and_second_derivatives(n_rows, n_obs, offset
     torch.manual_seed(0)
     inputs = [torch.randn(2, 2, n, 4, dtype=torch.float64, requires_grad=True) for n in (n_rows,) * 3]
     inputs += [torch.randn(2, 2, n_obs, 4, dtype=torch.float64, requires_grad=observed_grad) for _ in range(2)]
-    fn = functools.partial(two_stream_attention, offset=offset)
+    fn = functools.partial(two_stream_attention, offset=offset, chunks=chunks)
     assert torch.autograd.gradcheck(fn, inputs)
     assert torch.autograd.gradgradcheck(fn, inputs)
 
@@ -149,7 +153,8 @@ def test_two_stream_attention_refuses_third_order_derivatives():
         torch.autograd.grad(sum(g.square().sum() for g in second), inputs)
 
 
-def test_two_stream_attention_derivatives_equal_autograd_of_the_plain_form():
+@pytest.mark.parametrize("chunks", [1, 4])
+def test_two_stream_attention_derivatives_equal_autograd_of_the_plain_form(chunks):
     """Hessian-vector products as the EBT loss takes them (gradient w.r.t. the predicted
     stream with create_graph, then the loss through it) equal those autograd computes for the
     attention written with plain masked ops."""
@@ -168,7 +173,7 @@ def test_two_stream_attention_derivatives_equal_autograd_of_the_plain_form():
               for n in (n_rows, n_rows, n_rows, n_obs, n_obs)]
     weights = torch.randn(2, 3, n_rows, hd, dtype=torch.float64)
     results = []
-    for fn in (functools.partial(two_stream_attention, offset=offset), plain):
+    for fn in (functools.partial(two_stream_attention, offset=offset, chunks=chunks), plain):
         first = torch.autograd.grad((fn(*inputs) * weights).sum(), inputs[:3], create_graph=True)
         second = torch.autograd.grad(sum((g ** 2).sum() for g in first), inputs)
         results.append([*first, *second])
@@ -696,7 +701,8 @@ def test_flops_per_token_counts_what_each_option_computes():
 
 
 @pytest.mark.parametrize("field, value", [("grad_wrt", "energy"), ("min_steps", 3), ("alpha_randomize", 0.5),
-                                          ("reuse_observed_stream", True), ("activation_checkpointing", "layer")])
+                                          ("reuse_observed_stream", True), ("activation_checkpointing", "layer"),
+                                          ("attention_chunks", 0)])
 def test_invalid_options_are_rejected_naming_the_field(field, value):
     fields = dict(n_steps=2, time_embed=True, reuse_observed_stream=False)
     fields[field] = value

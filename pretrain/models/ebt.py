@@ -121,6 +121,10 @@ class EBTConfig(LlamaConfig):
     langevin_noise_eval: bool = False
     """Add the Langevin noise at eval and in `think` too, as the released code's validation
     does; False adds it in training only."""
+    attention_chunks: int | None = None
+    """Row chunks of the predicted rows' attention (`ebt_attention`): more skip more of the
+    causally masked [rows, keys] area, fewer launch fewer kernels. None chooses by device
+    (`default_chunks`: 4 on the CPU, 1 on a GPU, whose step is launch-bound)."""
     init: str = "scaled"
     """"scaled": N(0, init_std) weights, residual projections at init_std / sqrt(2 n_layer),
     energy head at init_std / alpha; "authors": the released code's Xavier-normal for every
@@ -130,6 +134,8 @@ class EBTConfig(LlamaConfig):
     def __post_init__(self):
         super().__post_init__()
         check_positive(self, "n_steps", "alpha", "alpha_lr_mult", "alpha_randomize", "candidate_init_std")
+        if self.attention_chunks is not None and self.attention_chunks < 1:
+            raise ValueError(f"EBTConfig.attention_chunks must be >= 1 or None, got {self.attention_chunks}")
         check_choice(self, "grad_wrt", ("probs", "logits"))
         check_choice(self, "step_embeddings", ("per_step", "shared"))
         check_choice(self, "init", ("scaled", "authors"))
@@ -297,7 +303,7 @@ class EnergyDescent(nn.Module):
         x = embedded
         for layer, (k_obs, v_obs) in zip(self.layers, observed):
             attend = functools.partial(stream_attention("predicted"), k_obs=k_obs, v_obs=v_obs,
-                                       offset=first_row + n_prefix)
+                                       offset=first_row + n_prefix, chunks=self.config.attention_chunks)
             x = maybe_checkpoint(checkpointed, layer, x, rope, attend)[0]
         return self.energy_head(self.norm(x)).squeeze(-1)
 

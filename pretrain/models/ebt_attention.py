@@ -14,7 +14,8 @@ The weights are outputs so that the second-order cotangent of the weights reache
 run once per backward pass, as in autograd's graph (12 [rows x keys] matmuls per layer and
 step in training, no more). The rows are processed in chunks that skip the observed keys every
 row of the chunk masks (the causal blocks above the diagonal), as flash kernels do: 4 chunks
-compute 62.5% of the [rows, keys] area.
+compute 62.5% of the [rows, keys] area. Each chunk costs its own ops, though, and a GPU's step
+is bound by its launches, so the number of chunks follows the device (`default_chunks`).
 
 Notation (per batch x head): S = scale q K^T + mask, s = scale q.k (self score), P, p = the
 softmax over [S, s], out = P V + p v. For an incoming gradient G of out and Gamma of (P, p):
@@ -24,24 +25,49 @@ from __future__ import annotations
 
 import torch
 
-CHUNKS = 4
-"""Row chunks per call: more skip more masked keys but run more, smaller matmuls (4 measured
-fastest at T=256 on CPU; 8 and 2 were 2-3% slower per training step)."""
+CPU_CHUNKS = 4
+"""Row chunks on the CPU: more skip more masked keys but run more, smaller matmuls (4 measured
+fastest at T=256; 8 and 2 were 2-3% slower per training step)."""
+
+
+def default_chunks(device: torch.device) -> int:
+    """Row chunks on `device`: CPU_CHUNKS on the CPU, where the matmuls' arithmetic dominates;
+    one elsewhere. A GPU step is launch-bound (each chunk adds about 60 ATen ops per layer and
+    descent step), and one chunk computes the whole [rows, keys] square (1.6x the area of 4
+    chunks). The meta device stands for the GPU: `pretrain.plan` measures its memory there."""
+    return CPU_CHUNKS if device.type == "cpu" else 1
 
 
 def rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a * b).sum(-1, keepdim=True)
 
 
-def causal_chunks(n_rows: int, n_keys: int, offset: int) -> list[tuple[int, int, int]]:
-    """(first row, end row, visible observed keys) per chunk: row r sees keys 0..r + offset,
-    so a chunk needs the keys up to its last row's."""
-    size = -(-n_rows // CHUNKS)
-    chunks = []
+def causal_chunks(n_rows: int, n_keys: int, offset: int, chunks: int) -> list[tuple[int, int, int]]:
+    """(first row, end row, visible observed keys) of each of (at most) `chunks` chunks: row r
+    sees keys 0..r + offset, so a chunk needs the keys up to its last row's."""
+    size = -(-n_rows // chunks)
+    spans = []
     for r0 in range(0, n_rows, size):
         r1 = min(n_rows, r0 + size)
-        chunks.append((r0, r1, min(n_keys, r1 + offset)))
-    return chunks
+        spans.append((r0, r1, min(n_keys, r1 + offset)))
+    return spans
+
+
+def joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The chunks' rows [B * H, rows, ...] as one tensor (one chunk's without a copy)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
+
+
+def key_sum(parts: list[torch.Tensor], n_keys: int) -> torch.Tensor:
+    """[B * H, n_keys, hd]: the chunks' gradients [B * H, e, hd] of the e observed keys each
+    sees, summed. A later chunk sees at least the keys of an earlier one, so the last holds
+    the sum (zero-padded to n_keys if it sees fewer)."""
+    *earlier, total = parts
+    if total.size(1) < n_keys:
+        total = torch.nn.functional.pad(total, (0, 0, 0, n_keys - total.size(1)))
+    for part in earlier:
+        total[:, :part.size(1)] += part
+    return total
 
 
 def batched(t: torch.Tensor) -> torch.Tensor:
@@ -63,26 +89,26 @@ def gradients_wanted(ctx) -> list[bool]:
 
 class TwoStreamAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, k_obs, v_obs, offset):
+    def forward(ctx, q, k, v, k_obs, v_obs, offset, chunks):
         ctx.set_materialize_grads(False)
-        ctx.offset = offset
         inputs = (q, k, v, k_obs, v_obs)
         q, k, v, K, V = map(batched, inputs)
         R, T, scale = q.size(1), K.size(1), q.size(2) ** -0.5
+        ctx.spans = causal_chunks(R, T, offset, chunks)
         wide = torch.promote_types(q.dtype, torch.float32)
         # additive mask: row r hides observed keys after r + offset
         hidden = torch.full((R, T), float("-inf"), dtype=q.dtype, device=q.device).triu(offset + 1)
         self_scores = rowdot(q, k) * scale
         mixed, probs = [], []
-        for r0, r1, e in causal_chunks(R, T, offset):
+        for r0, r1, e in ctx.spans:
             # [observed scores | self score] in one buffer, so one softmax covers both
             scores = q.new_empty(q.size(0), r1 - r0, e + 1)
             torch.baddbmm(hidden[r0:r1, :e], q[:, r0:r1], K[:, :e].transpose(1, 2), alpha=scale, out=scores[..., :e])
             scores[..., e:] = self_scores[:, r0:r1]
             weights = scores.softmax(-1, dtype=wide)
-            mixed.append(weights[..., :e].to(q.dtype) @ V[:, :e])
+            mixed.append(torch.bmm(weights[..., :e].to(q.dtype), V[:, :e]))
             probs.append(weights)
-        out = torch.addcmul(torch.cat(mixed, 1), self_weights(probs, q.dtype), v).view(inputs[0].shape)
+        out = torch.addcmul(joined(mixed), self_weights(probs, q.dtype), v).view(inputs[0].shape)
         ctx.save_for_backward(*inputs, out, *probs)
         return (out, *probs)
 
@@ -91,16 +117,16 @@ class TwoStreamAttention(torch.autograd.Function):
         q, k, v, k_obs, v_obs, out, *probs = ctx.saved_tensors
         if grad_out is None:
             if all(g is None for g in grad_probs):
-                return (None,) * 6
+                return (None,) * 7
             grad_out = torch.zeros_like(out)
-        grads = TwoStreamAttentionGrad.apply(ctx.offset, gradients_wanted(ctx)[3:5], grad_out, q, k, v, k_obs, v_obs,
+        grads = TwoStreamAttentionGrad.apply(ctx.spans, gradients_wanted(ctx)[3:5], grad_out, q, k, v, k_obs, v_obs,
                                              out, *grad_probs, *probs)
-        return (*grads, None)
+        return (*grads, None, None)
 
 
 def self_weights(probs: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     """[B * H, R, 1]: each row's weight on its own key (the last column of its chunk)."""
-    return torch.cat([p[..., -1:] for p in probs], 1).to(dtype)
+    return joined([p[..., -1:] for p in probs]).to(dtype)
 
 
 class TwoStreamAttentionGrad(torch.autograd.Function):
@@ -108,20 +134,18 @@ class TwoStreamAttentionGrad(torch.autograd.Function):
     the observed keys' and values' gradients are None unless `wanted_obs` says so."""
 
     @staticmethod
-    def forward(ctx, offset, wanted_obs, G, q, k, v, k_obs, v_obs, out, *gammas_and_probs):
+    def forward(ctx, spans, wanted_obs, G, q, k, v, k_obs, v_obs, out, *gammas_and_probs):
         ctx.set_materialize_grads(False)
         shapes = [t.shape for t in (G, q, k, v, k_obs, v_obs, out)]
         G = batched(G).contiguous()
         n = len(gammas_and_probs) // 2
         gammas, probs = gammas_and_probs[:n], gammas_and_probs[n:]
         q_, k_, v_, K, V, out_ = map(batched, (q, k, v, k_obs, v_obs, out))
-        R, T, scale = q_.size(1), K.size(1), q_.size(2) ** -0.5
+        T, scale = K.size(1), q_.size(2) ** -0.5
         wide = probs[0].dtype
         sigma_all, a_all = rowdot(G.to(wide), out_.to(wide)), rowdot(G.to(wide), v_.to(wide))
-        dK = torch.zeros_like(K) if wanted_obs[0] else None
-        dV = torch.zeros_like(V) if wanted_obs[1] else None
-        dq_obs, shifted_all, dS_all = [], [], []
-        for (r0, r1, e), P, gamma in zip(causal_chunks(R, T, offset), probs, gammas):
+        dq_obs, dK_parts, dV_parts, shifted_all, dS_all = [], [], [], [], []
+        for (r0, r1, e), P, gamma in zip(spans, probs, gammas):
             G_r, sigma = G[:, r0:r1], sigma_all[:, r0:r1]
             if gamma is not None:
                 sigma = sigma + rowdot(P, gamma)
@@ -133,17 +157,18 @@ class TwoStreamAttentionGrad(torch.autograd.Function):
             if gamma is not None:
                 shifted += gamma
             dS = (P * shifted).to(q_.dtype)
-            dq_obs.append(dS[..., :e] @ K[:, :e])
-            if dK is not None:
-                dK[:, :e].add_(dS[..., :e].transpose(1, 2) @ q_[:, r0:r1], alpha=scale)
-            if dV is not None:
-                dV[:, :e] += P[..., :e].to(q_.dtype).transpose(1, 2) @ G_r
+            dq_obs.append(torch.bmm(dS[..., :e], K[:, :e]))
+            if wanted_obs[0]:
+                dK_parts.append(torch.bmm(dS[..., :e].transpose(1, 2), q_[:, r0:r1]))
+            if wanted_obs[1]:
+                dV_parts.append(torch.bmm(P[..., :e].to(q_.dtype).transpose(1, 2), G_r))
             shifted_all.append(shifted)
             dS_all.append(dS)
         ds = self_weights(dS_all, q_.dtype)
-        grads = (torch.addcmul(torch.cat(dq_obs, 1), ds, k_).mul_(scale), q_ * (ds * scale),
-                 self_weights(probs, q_.dtype) * G, dK, dV)
-        ctx.offset, ctx.shapes, ctx.n = offset, shapes, n
+        grads = (torch.addcmul(joined(dq_obs), ds, k_).mul_(scale), q_ * (ds * scale),
+                 self_weights(probs, q_.dtype) * G, key_sum(dK_parts, T).mul_(scale) if dK_parts else None,
+                 key_sum(dV_parts, T) if dV_parts else None)
+        ctx.spans, ctx.shapes, ctx.n = spans, shapes, n
         ctx.third_order = any(gamma is not None for gamma in gammas)
         ctx.save_for_backward(G, q, k, v, k_obs, v_obs, out, *probs, *shifted_all, *dS_all)
         return tuple(None if g is None else g.view(s) for g, s in zip(grads, shapes[1:6]))
@@ -161,59 +186,58 @@ class TwoStreamAttentionGrad(torch.autograd.Function):
         (q, k, v, K, V, out), probs = map(batched, saved[:6]), saved[6:6 + n]
         shifted_all, dS_all = saved[6 + n:6 + 2 * n], saved[6 + 2 * n:]
         gq, gk, gv, gK, gV = (None if g is None else batched(g) for g in (gq, gk, gv, gK, gV))
-        R, T, scale = q.size(1), K.size(1), q.size(2) ** -0.5
+        T, scale = K.size(1), q.size(2) ** -0.5
         zero = q.new_zeros(())
         # cotangent of the self column of dS (ds), through dq = scale (dS K + ds k), dk = scale ds q
         g_ds = scale * ((rowdot(gq, k) if gq is not None else zero) + (rowdot(gk, q) if gk is not None else zero))
         g_pself = rowdot(gv, G) if gv is not None else zero  # through dv = p G
-        g_K, g_V = torch.zeros_like(K), torch.zeros_like(V)
-        g_G_obs, g_q_obs, g_sigma, g_a, g_probs = [], [], [], [], []
-        for (r0, r1, e), P, shifted, dS in zip(causal_chunks(R, T, ctx.offset), probs, shifted_all, dS_all):
+        g_K_parts, g_V_parts, g_G_obs, g_q_obs, g_sigma, g_a, g_probs = [], [], [], [], [], [], []
+        for (r0, r1, e), P, shifted, dS in zip(ctx.spans, probs, shifted_all, dS_all):
             G_r, q_r = G[:, r0:r1], q[:, r0:r1]
             g_dS = q.new_zeros(q.size(0), r1 - r0, e + 1)
             if gq is not None:
                 g_dS[..., :e].baddbmm_(gq[:, r0:r1], K[:, :e].transpose(1, 2), alpha=scale)
-                g_K[:, :e].add_(dS[..., :e].transpose(1, 2) @ gq[:, r0:r1], alpha=scale)
+                g_K_parts.append(torch.bmm(dS[..., :e].transpose(1, 2), gq[:, r0:r1]))
             if gK is not None:
                 g_dS[..., :e].baddbmm_(q_r, gK[:, :e].transpose(1, 2), alpha=scale)
-                g_q_obs.append(dS[..., :e] @ gK[:, :e])
+                g_q_obs.append(torch.bmm(dS[..., :e], gK[:, :e]))
             g_dS[..., e:] = g_ds[:, r0:r1] if g_ds.dim() else 0
             g_dS = g_dS.to(P.dtype)
             # dS = P (A - sigma): cotangents of P (handed to TwoStreamAttention) and of A
             g_P = g_dS * shifted
             g_A_wide = g_dS * P
             g_A = g_A_wide.to(q.dtype)
+            g_G_r = torch.bmm(g_A[..., :e], V[:, :e])
             if gv is not None:
                 g_P[..., e:] += g_pself[:, r0:r1]
             if gV is not None:
-                g_P[..., :e] += G_r @ gV[:, :e].transpose(1, 2)
-                g_G_obs.append(P[..., :e].to(q.dtype) @ gV[:, :e])
-            g_sigma_r = -g_A_wide.sum(-1, keepdim=True)
-            g_G_obs.append(g_A[..., :e] @ V[:, :e])
-            g_V[:, :e] += g_A[..., :e].transpose(1, 2) @ G_r
-            g_sigma.append(g_sigma_r)
+                g_P[..., :e].baddbmm_(G_r, gV[:, :e].transpose(1, 2))
+                g_G_r.baddbmm_(P[..., :e].to(q.dtype), gV[:, :e])
+            g_G_obs.append(g_G_r)
+            g_V_parts.append(torch.bmm(g_A[..., :e].transpose(1, 2), G_r))
+            g_sigma.append(g_A_wide.sum(-1, keepdim=True))  # sigma enters A - sigma negated
             g_a.append(g_A[..., e:])
             g_probs.append(g_P)
-        if gV is not None:  # each chunk appended P gV, then g_A V
-            g_G_obs = [a + b for a, b in zip(g_G_obs[0::2], g_G_obs[1::2])]
-        g_sigma, g_a = torch.cat(g_sigma, 1).to(q.dtype), torch.cat(g_a, 1)
+        g_sigma, g_a = joined(g_sigma).neg().to(q.dtype), joined(g_a)
         ds = self_weights(dS_all, q.dtype)
         # sigma = G.out, a = G.v, dv = p G
-        g_G = torch.cat(g_G_obs, 1).addcmul_(g_sigma, out).addcmul_(g_a, v)
+        g_G = joined(g_G_obs).addcmul_(g_sigma, out).addcmul_(g_a, v)
         if gv is not None:
             g_G.addcmul_(self_weights(probs, q.dtype), gv)
         # the [rows, 1] factors are scaled before they broadcast over the head dimension
         g_q = gk * (scale * ds) if gk is not None else torch.zeros_like(q)
         if gK is not None:
-            g_q = g_q.add_(torch.cat(g_q_obs, 1), alpha=scale)
+            g_q = g_q.add_(joined(g_q_obs), alpha=scale)
         g_k = gq * (scale * ds) if gq is not None else torch.zeros_like(k)
-        grads = (g_G, g_q, g_k, g_a * G, g_K, g_V, g_sigma * G)
+        g_K = key_sum(g_K_parts, T).mul_(scale) if g_K_parts else torch.zeros_like(K)
+        grads = (g_G, g_q, g_k, g_a * G, g_K, key_sum(g_V_parts, T), g_sigma * G)
         return (None, None, *(g.view(s) for g, s in zip(grads, ctx.shapes)), *(None,) * n, *g_probs)
 
 
 def two_stream_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_obs: torch.Tensor,
-                         v_obs: torch.Tensor, offset: int) -> torch.Tensor:
+                         v_obs: torch.Tensor, offset: int, chunks: int | None = None) -> torch.Tensor:
     """Attention of the predicted rows [B, H, R, hd]: row r attends to observed keys
-    0..r + offset and to its own key, in one softmax (scale 1/sqrt(hd)). Differentiable twice
-    on every device."""
-    return TwoStreamAttention.apply(q, k, v, k_obs, v_obs, offset)[0]
+    0..r + offset and to its own key, in one softmax (scale 1/sqrt(hd)), computed in `chunks`
+    row chunks (None: `default_chunks` of the device). Differentiable twice on every device."""
+    chunks = chunks or default_chunks(q.device)
+    return TwoStreamAttention.apply(q, k, v, k_obs, v_obs, offset, chunks)[0]
