@@ -7,20 +7,26 @@ Transformer++ and measures checkpointing memory):
    forward of the same backbone, measured and analytic.
 3. Memory kept per descent step with step checkpointing, in units of one candidate tensor
    [B, T, V] (the step's input, which the recurrence must keep: the floor is 1).
+4. Launches (`--launches`, this section alone): ATen ops per S1 training step (ebt-s1-small's
+   options at the given shape) with the CPU's 4 attention row chunks and the GPU's choice, and
+   the CPU time of each. A GPU step of these models is bound by its launches, not its FLOPs.
 
-    python -m bench.ebt [--width 256 --heads 4 --seq-len 256 --batch 4 --steps 4 --rounds 10]
+    python -m bench.ebt [--width 256 --heads 4 --seq-len 256 --batch 4 --steps 4 --rounds 10] [--launches]
 """
 from __future__ import annotations
 
+import collections
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from bench.memory import peak_allocated_bytes
 from bench.models import (Contender, add_shape_arguments, build_contender, print_table, seconds_per_step,
                           train_step)
 from common.cli import ArgumentParser, run_command
+from pretrain.models.ebt_attention import CPU_CHUNKS, default_chunks
 
 BASELINE = Contender("transformer_pp", "transformer_pp-tiny")
 TRAINING = [
@@ -29,6 +35,28 @@ TRAINING = [
     Contender("ebt S1, step conditioning", "ebt-tiny", {"time_embed": True, "reuse_observed_stream": False}),
     Contender("ebt S2, 3 steps, last-step graph", "ebt-s2-tiny", {"min_steps": 0, "replay_buffer_size": 0}),
 ]
+
+
+class AtenOps(TorchDispatchMode):
+    """Counts the ATen ops run while active, as they reach the kernels (after autograd and the
+    composite ops' decomposition), the backward's included: `total`, and `kernels`, those that
+    are not views (each launches at least one kernel on a GPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.per_op: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.per_op[func] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self) -> int:
+        return sum(self.per_op.values())
+
+    @property
+    def kernels(self) -> int:
+        return sum(n for func, n in self.per_op.items() if not func.is_view)
 
 
 def build_model(contender: Contender, args, **overrides) -> torch.nn.Module:
@@ -82,15 +110,35 @@ def checkpointed_growth(args, idx) -> None:
           f"at 8; kept per extra step: {growth:.2f} candidate tensors of {candidate / 2**20:.1f} MiB\n")
 
 
+def launches(args, idx) -> None:
+    s1 = Contender("ebt S1", "ebt-s1-small")
+    gpu_chunks = default_chunks(torch.device("cuda"))
+    models = {f"{chunks} row chunk(s) ({where})": build_model(s1, args, attention_chunks=chunks)
+              for chunks, where in ((CPU_CHUNKS, "CPU's choice"), (gpu_chunks, "GPU's choice"))}
+    seconds = seconds_per_step(models, idx, args.rounds)  # warms up first: rotary tables are built once
+    counts = {}
+    for label, model in models.items():
+        with AtenOps() as counts[label]:
+            train_step(model, idx)
+    rows = [(label, counts[label].total, counts[label].kernels, f"{seconds[label] * 1e3:.1f}")
+            for label in models]
+    print("4. Launches: one S1 training step (ebt-s1-small's options), two-stream attention in row chunks")
+    print_table(("attention", "ATen ops", "not views", "CPU ms"), rows)
+
+
 def main() -> None:
     parser = ArgumentParser(prog="python -m bench.ebt", description=__doc__.split("\n")[0])
     add_shape_arguments(parser)  # --steps: the number of layers here
+    parser.add_argument("--launches", action="store_true", help="only the ATen ops per step (section 4)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     idx = torch.randint(0, args.vocab, (args.batch, args.seq_len))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, D={args.width}, "
           f"{args.heads} heads, T={args.seq_len}, B={args.batch}, V={args.vocab}, {args.steps} layers\n")
+    if args.launches:
+        launches(args, idx)
+        return
     executed_flops(args, idx)
     thinking_costs(args, idx)
     checkpointed_growth(args, idx)
