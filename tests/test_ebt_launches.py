@@ -1,7 +1,6 @@
 """EBT's training step on a GPU is bound by its kernel launches: the two-stream attention there
 runs in the GPU's number of row chunks (`default_chunks`), which must run far fewer ATen ops
 per step than the CPU's 4 chunks and compute the same loss and gradients to rounding."""
-import pytest
 import torch
 
 from bench.ebt import AtenOps
@@ -10,14 +9,6 @@ from pretrain.models.ebt_attention import CPU_CHUNKS, default_chunks, two_stream
 from tests.numerics import assert_rounding_close
 
 GPU_CHUNKS = default_chunks(torch.device("cuda"))
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_the_planner_measures_the_gpus_chunking_and_the_cpu_keeps_its_own():
