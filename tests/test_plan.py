@@ -12,6 +12,7 @@ from bench.memory import peak_allocated_bytes
 from pretrain.config import load_config, resolved_precision
 from pretrain.engine import deepspeed_config
 from pretrain.models import build, resolve
+from pretrain.models.ebt_attention import default_chunks
 from pretrain.plan import (GIB, activation_bytes, gathered_parameters, hand_off_gradients, largest_fitting,
                            main, make_plan, micro_batch_pass, model_state_bytes)
 
@@ -52,7 +53,10 @@ def test_activation_figure_is_the_allocators_peak_within_a_quarter(flavor, check
     micro-batch run for real on the CPU: checkpointing, EBT's double backward and its replayed
     rows (ebt-s2-tiny) included. (The meta device's own attention would keep every head's
     [T, T] weights: 70% over for gpt-mini and 50% for nrgpt-mini.)"""
-    config = resolve(flavor, {"activation_checkpointing": checkpointing})
+    overrides = {"activation_checkpointing": checkpointing}
+    if flavor.startswith("ebt"):  # the same attention chunks on both sides (the meta device plans a GPU's)
+        overrides["attention_chunks"] = default_chunks(torch.device("meta"))
+    config = resolve(flavor, overrides)
     planned = activation_bytes(config, MICRO_BATCH, config.block_size, dtype)
     measured = allocator_peak(config, dtype)
     print(f"\n{flavor} {checkpointing} {dtype}: planned {planned / 1e6:.2f} MB, allocator {measured / 1e6:.2f} MB")
