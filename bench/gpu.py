@@ -1,20 +1,30 @@
-"""One-shot GPU benchmark (issue 7): training throughput, MFU and peak memory of the paper-size
-flavors through the trainer's own step (`Trainer.train_step`: DeepSpeed ZeRO-2, bf16, one
-device) on synthetic tokens of the real vocabulary, with activation checkpointing off and on,
-and EBT's second-order check (loss and gradients with TF32 and in bf16 against a float32
-reference).
+"""One GPU, one short session (issue 33): what the OpenWebText configs do on an H200, measured
+through the trainer's own step (`Trainer.build_engine`, `Trainer.train_step`) in at most 300 s,
+start-up included:
 
-    python -m bench.gpu [--out DIR] [--budget-s 420]    # one GPU: paper-size flavors at T=1024
+- each family's flagship config (configs/owt) at its own micro-batch, with its own ZeRO,
+  precision and bucket settings, one process, on synthetic tokens of the real vocabulary:
+  tokens/s, MFU, peak memory; with `model.compile` as the config sets it and the other way for
+  the families that allow it (EBT differentiates inside its forward);
+- which SDPA kernel each run's attention took (the profiler's record of the op the dispatcher
+  picked) next to what `pretrain.models.sdpa` predicts (`pretrain.config.gpu_attention`);
+- EBT-S2's memory at its micro-batch with the replay store filled, against `pretrain.plan`'s
+  figure for one GPU;
+- EBT's second-order numerics at paper depth (12 layers, T=1024): loss and every gradient in
+  bf16 against a float32 reference.
+
+    python -m bench.gpu [--out DIR] [--budget-s 300] [--only TEXT ...]
     python -m bench.gpu --device cpu --tiny --out DIR    # the same code path on tiny flavors (CI)
     bench/gpu.sh [ARGS]                                  # installs carried wheels first if needed
 
-DIR/gpu.json and DIR/gpu.md are rewritten after every finished case, so an interrupted run
-keeps what it measured. This process only schedules: each group of cases (one flavor) runs in
-a worker process (`--worker`), so an out-of-memory error, a crash or a hang costs that group
-only. Every case has a time cap, the whole run a budget; cases that do not fit are reported
-as skipped. A case that runs out of memory is retried at half the micro-batch while time allows.
-Ctrl-C, or a scheduler's SIGTERM or SIGUSR1, stops the worker too, reports the cases left as
-stopped, and exits with 128 + the signal's number.
+One worker process runs the cases in turn, each under a time cap that an alarm signal enforces
+inside it. This process schedules and reports: a hang inside a CUDA call or a compile, which no
+signal handler reaches, or a crash of the worker still leaves a report, because this process
+kills a worker that overruns a case's cap, reports that case, and starts another worker for the
+cases after it while the budget allows. DIR/gpu.json and DIR/gpu.md are rewritten as each case
+starts and ends; a case that runs out of memory or fails keeps what it measured, and the next
+one runs. Ctrl-C, or a scheduler's SIGTERM or SIGUSR1, stops the worker too, reports the cases
+left as stopped, and exits with 128 + the signal's number.
 """
 from __future__ import annotations
 
@@ -38,7 +48,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 from common.cli import STOP_SIGNALS, ArgumentParser, Stopped, run_command, signals_held, stop_signals_raising
 from common.fileio import atomic_write_text, markdown_table
@@ -48,34 +58,70 @@ RESULT = "BENCH-RESULT "
 """Prefix of the worker's protocol lines on stdout; anything else goes to the log."""
 GPT2_VOCAB = 50257
 """The real vocabulary (the models pad it to 50304); synthetic tokens are drawn from it."""
-STARTUP_S = 60.0
-"""Allowance for a worker to import torch and DeepSpeed and initialise the device."""
+GIB = 2**30
+
+FLAGSHIPS = {
+    "configs/owt/gpt_124m.yaml": "gpt-tiny",
+    "configs/owt/gpt_rec_85m.yaml": "gpt_rec-tiny",
+    "configs/owt/nrgpt_ff2w_90m.yaml": "nrgpt-tiny",
+    "configs/owt/ebt_s1_small.yaml": "ebt-tiny",
+    "configs/owt/transformer_pp_small.yaml": "transformer_pp-tiny",
+}
+"""Each family's flagship config -> the tiny flavor of its family that --tiny trains instead."""
+ATTENTION_PROBE = ("configs/owt/nrgpt_ff2w_126m.yaml", "nrgpt-tiny")
+"""The config whose attention kernel matters most (NRGPT's full heads, head dim 1024, beyond
+flash), trained without compilation, and its tiny flavor."""
+MEMORY_PROBE = ("configs/owt/ebt_s2_small.yaml", "ebt-s2-tiny")
+"""The config whose memory is measured with its replay store filled, and its tiny flavor."""
+BF16_CHECK = {"gpu": ("ebt-s1-small", 2, 1024), "tiny": ("ebt-tiny", 2, 64)}
+"""(flavor, micro-batch, T) of the bf16 check: paper depth (12 layers) and context on the GPU."""
+COMPILE_BACKEND = {"gpu": "inductor", "tiny": "aot_eager"}
+"""`model.compile` of the compiled runs; on a CPU, inductor's C++ builds would take minutes, so
+--tiny traces the same way (TorchDynamo, AOTAutograd) without generating code."""
+CASE_CAPS_S = {
+    "gpu": {"memory": 60.0, "bf16_check": 45.0, "train": 40.0, "compiled": 90.0},
+    "tiny": {"memory": 30.0, "bf16_check": 30.0, "train": 30.0, "compiled": 30.0},
+}
+"""Time cap of one case (engine build, compilation, warmup, timed steps) by what it runs."""
+BUDGET_S = {"gpu": 300.0, "tiny": 150.0}
+"""Default wall-clock budget of a whole run, start-up included."""
+STARTUP_S = 90.0
+"""How long a worker may take to import torch and DeepSpeed and set up the device."""
+MIN_CASE_S = 5.0
+"""A case is not started with less time than this left in the budget."""
+MIN_START_S = 20.0
+"""A worker is not started with less time than this left in the budget: about its start-up."""
+HANG_GRACE_S = 15.0
+"""How long past a case's cap the worker may stay silent before it is killed as hung."""
 WORKER_GRACE_S = 10.0
 """How long a worker that is told to stop gets before it is killed. Not killed at once, because
 on a CPU a worker may be building DeepSpeed's communication op, and a build killed outright
 leaves its lock file behind: every later build then waits on it forever."""
+REPORT_RESERVE_S = WORKER_GRACE_S + 10.0
+"""Kept from the budget after the worker's last case: slack for its last answer, stopping it
+and writing the reports. The worker is killed WORKER_GRACE_S + 2 s before the budget ends."""
 
 
 @dataclass
 class Case:
     name: str
     """Label in the tables, unique within a plan."""
-    flavor: str
-    """Registered model flavor."""
-    group: str
-    """Cases of one group share a worker process (run in plan order)."""
-    kind: str = "throughput"
-    """"throughput" (training steps) or "ebt_check" (second-order numerics)."""
-    checkpointing: str = "off"
-    """Activation checkpointing: "off" or "step" (each block / recurrent step / descent step)."""
-    micro_batch: int = 8
-    """Sequences per step (one micro-batch, no accumulation)."""
-    seq_len: int = 1024
-    """Tokens per sequence."""
-    overrides: dict[str, Any] = field(default_factory=dict)
-    """Model config overrides."""
-    compile: str = "off"
-    """`model.compile` of the run config."""
+    kind: str
+    """"train" (training steps of a config) or "bf16_check" (EBT's second-order numerics)."""
+    cap_s: float
+    """Time cap of the case."""
+    config: str = ""
+    """train: the config file, relative to the repository."""
+    overrides: list[str] = field(default_factory=list)
+    """train: `key=value` overrides that make the run (tiny flavor, compile setting)."""
+    fill_replay_store: bool = False
+    """train: step until EBT's replay store is full before timing (the memory probe)."""
+    flavor: str = ""
+    """bf16_check: the model flavor."""
+    micro_batch: int = 0
+    """bf16_check: sequences in the batch."""
+    seq_len: int = 0
+    """bf16_check: tokens per sequence."""
 
 
 @dataclass
@@ -85,57 +131,54 @@ class Settings:
     vocab_size: int
     """Synthetic tokens are drawn from [0, vocab_size); the models pad it to a multiple of 64."""
     warmup: int
-    """Untimed steps before timing (the first one records the attention kernels)."""
+    """Untimed steps before the profiled one: the first one compiles, and a second compilation
+    (transformer_pp's rotary tables are filled by its first step) falls into the second."""
     steps: int
     """Timed steps at most."""
-    case_seconds: float
-    """Time cap of one case: engine build, warmup and timed steps."""
     peak_tflops: float | None
     """Peak for MFU; None looks the device up in pretrain.flops."""
+    deadline: float
+    """time.monotonic() by which the worker is to have ended its last case."""
 
 
-def throughput_cases(flavors: dict[str, str], micro_batch: dict[str, int], seq_len: int) -> list[Case]:
-    """Activation checkpointing off and on for each family, at the same micro-batch."""
-    return [Case(f"{flavor} ac={ac}", flavor, family, checkpointing=ac, micro_batch=micro_batch[family],
-                 seq_len=seq_len)
-            for family, flavor in flavors.items() for ac in ("off", "step")]
-
-
-def gpu_plan() -> list[Case]:
-    """The issue's table at T=1024: the EBT check first (short, and the one correctness figure),
-    then each family; NRGPT's explicit attention (its `full` heads have head dim 768, beyond
-    the flash and cuDNN kernels) is measured against SDPA's memory-efficient kernel last."""
-    flavors = {"gpt": "gpt-124m", "gpt_rec": "gpt_rec-85m", "nrgpt": "nrgpt-ff2w-90m",
-               "ebt": "ebt-s1-small", "transformer_pp": "transformer_pp-small"}
-    micro_batch = {"gpt": 16, "gpt_rec": 16, "nrgpt": 16, "ebt": 8, "transformer_pp": 16}
-    return ([Case("ebt-s1-small second-order check", "ebt-s1-small", "ebt_check", kind="ebt_check",
-                  micro_batch=2, seq_len=1024)]
-            + throughput_cases(flavors, micro_batch, 1024)
-            + [Case("nrgpt-ff2w-90m ac=off attention=explicit", "nrgpt-ff2w-90m", "nrgpt", micro_batch=16,
-                    overrides={"attention_impl": "explicit"})])
-
-
-def tiny_plan() -> list[Case]:
-    """The same cases on the tiny flavors, in one worker: on a CPU, starting torch and DeepSpeed
-    takes longer than all the tiny cases together."""
-    flavors = {"gpt": "gpt-tiny", "gpt_rec": "gpt_rec-tiny", "nrgpt": "nrgpt-tiny", "ebt": "ebt-tiny",
-               "transformer_pp": "transformer_pp-tiny"}
-    plan = ([Case("ebt-tiny second-order check", "ebt-tiny", "ebt_check", kind="ebt_check", micro_batch=2,
-                  seq_len=32)]
-            + throughput_cases(flavors, dict.fromkeys(flavors, 4), 64)
-            + [Case("nrgpt-tiny ac=off attention=explicit", "nrgpt-tiny", "nrgpt", micro_batch=4, seq_len=64,
-                    overrides={"attention_impl": "explicit"})])
-    return [dataclasses.replace(case, group="tiny") for case in plan]
-
-
-def compile_cases(plan: list[Case]) -> list[Case]:
-    """torch.compile (inductor) variants of the checkpointing-off cases of the families without
-    double backward."""
+def case_plan(tiny: bool) -> list[Case]:
+    """The run's cases in order: the memory probe first (nothing else has touched the device
+    yet), the bf16 check, the attention probe, each flagship config without compilation, then
+    the compiled runs (slowest to start, and the ones a short budget cuts). Training cases are
+    named by their config file."""
+    from pretrain.config import load_config
     from pretrain.models import model_class, resolve
 
-    return [dataclasses.replace(case, name=f"{case.name} compile=inductor", compile="inductor")
-            for case in plan if case.kind == "throughput" and case.checkpointing == "off"
-            and not case.overrides and not model_class(resolve(case.flavor)).needs_double_backward]
+    scale = "tiny" if tiny else "gpu"
+    caps, backend = CASE_CAPS_S[scale], COMPILE_BACKEND[scale]
+
+    def shrink(flavor: str) -> list[str]:
+        if not tiny:
+            return []
+        return [f"model.flavor={flavor}", "data.seq_len=64", "train.device=auto", "train.precision=bf16"]
+
+    probe_config, probe_tiny = MEMORY_PROBE
+    attention_config, attention_tiny = ATTENTION_PROBE
+    flavor, micro_batch, seq_len = BF16_CHECK[scale]
+    plain = [Case(f"{Path(probe_config).stem} replay store filled", "train", caps["memory"], probe_config,
+                  shrink(probe_tiny), fill_replay_store=True),
+             Case(f"{flavor} bf16 vs fp32", "bf16_check", caps["bf16_check"], flavor=flavor,
+                  micro_batch=micro_batch, seq_len=seq_len),
+             Case(f"{Path(attention_config).stem} attention (compile=off)", "train", caps["train"], attention_config,
+                  shrink(attention_tiny) + ["model.compile=off"])]
+    compiled = []
+    for config, tiny_flavor in FLAGSHIPS.items():
+        cfg = load_config(REPO / config)
+        own = cfg.model.compile if cfg.model.compile == "off" or not tiny else backend
+        settings = ["off"]  # and the config's own setting, or else the compiler
+        if not model_class(resolve(cfg.model.flavor)).needs_double_backward:
+            settings.append(own if own != "off" else backend)
+        for setting in settings:
+            case = Case(f"{Path(config).stem} compile={setting}{' (config)' if setting == own else ''}", "train",
+                        caps["train" if setting == "off" else "compiled"], config,
+                        shrink(tiny_flavor) + [f"model.compile={setting}"])
+            (plain if setting == "off" else compiled).append(case)
+    return plain + compiled
 
 
 # ---------------------------------------------------------------------------------------------
@@ -150,6 +193,9 @@ SDPA_KERNELS = {
     "_scaled_dot_product_fused_attention_overrideable": "overrideable",
 }
 """ATen's SDPA implementations (the op the dispatcher picked) -> kernel name."""
+PREDICTED_KERNELS = {"flash": ("flash", "cudnn"), "efficient": ("memory-efficient",), "math": ("math",)}
+"""`models.sdpa.sdpa_kernel`'s answer -> the kernels that bear it out ("flash" stands for
+cuDNN's kernel too, which takes a subset of flash's shapes)."""
 
 
 def attention_kernels(work: Callable[[], object]) -> dict[str, int]:
@@ -171,6 +217,15 @@ def attention_kernels(work: Callable[[], object]) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
+def prediction_holds(predicted: str | None, ran: dict[str, int]) -> bool | None:
+    """Whether the forward kernels a GPU ran are the predicted one's (SDPA that ran where none
+    was predicted, or none where one was, is a disagreement too); None when neither has any."""
+    forward = [kernel for kernel in ran if not kernel.endswith(" backward")]
+    if predicted is None and not forward:
+        return None
+    return predicted is not None and bool(forward) and all(k in PREDICTED_KERNELS[predicted] for k in forward)
+
+
 def synthetic_batches(micro_batch: int, seq_len: int, vocab_size: int, pin: bool, seed: int = 0):
     """(inputs, targets) windows of uniform random tokens, as the data loader yields them (CPU,
     int64, pinned for asynchronous copies on GPU); a few distinct batches, cycled."""
@@ -186,167 +241,164 @@ def synthetic_batches(micro_batch: int, seq_len: int, vocab_size: int, pin: bool
         yield from batches
 
 
-def run_config(case: Case, settings: Settings, micro_batch: int, output_root: str):
-    """The run config of a throughput case, checked like a real run's."""
-    from pretrain.config import (DataSection, ModelSection, RunConfig, ScheduleSection, TrainSection,
-                                 ZeroSection, validate)
+def bench_config(case: Case, settings: Settings, output_root: str):
+    """The case's config as the trainer reads it, changed only where synthetic tokens and a
+    benchmark need it: one micro-batch of the configured size per step (the split the trainer
+    takes on one GPU), no data files, a temporary output root. Checked like a real run's."""
+    from pretrain.config import load_config, validate
 
-    cfg = RunConfig(
-        run_name="bench-gpu", output_root=output_root,
-        model=ModelSection(flavor=case.flavor, overrides=dict(case.overrides),
-                           activation_checkpointing=case.checkpointing, compile=case.compile),
-        data=DataSection(path="(synthetic tokens)", seq_len=case.seq_len, micro_batch_size=micro_batch,
-                         num_workers=0),
-        schedule=ScheduleSection(kind="constant"),
-        train=TrainSection(max_steps=10**9, global_batch_size=micro_batch, precision="bf16",
-                           peak_tflops=settings.peak_tflops),
-        zero=ZeroSection(stage=2))
+    cfg = load_config(REPO / case.config, [*case.overrides, "run_name=bench-gpu", f"output_root={output_root}",
+                                           "data.path=synthetic-tokens", "data.num_workers=0"])
+    cfg.train.global_batch_size = cfg.data.micro_batch_size
+    cfg.train.peak_tflops = settings.peak_tflops
     validate(cfg, world_size=1, has_gpu=settings.device == "cuda")
     return cfg
 
 
-def measure_throughput(case: Case, settings: Settings, micro_batch: int, started: float) -> dict:
-    """Build the trainer's engine for `case` and time `Trainer.train_step` on synthetic tokens."""
+def planned_memory(cfg, vocab_size: int) -> dict[str, int]:
+    """Bytes of one GPU at the peak of a step of `cfg` on one GPU, by part, as `python -m
+    pretrain.plan --gpus 1` has them (`make_plan` itself would import the data pipeline, and so
+    mosaicml-streaming, which the GPU machine lacks; tests/test_bench_gpu.py holds the two equal)."""
     import torch
+    from pretrain.config import model_config, resolved_precision
+    from pretrain.engine import deepspeed_config
+    from pretrain.models import build
+    from pretrain.plan import (PRECISION_DTYPES, Parts, activation_bytes, gathered_parameters, model_state_bytes,
+                               reduce_bucket_bytes, replay_bytes)
+
+    precision = resolved_precision(cfg, has_gpu=True)
+    config = model_config(cfg, vocab_size)
+    with torch.device("meta"):
+        model = build(config)
+    ds_config = deepspeed_config(cfg, 1, precision)
+    states = model_state_bytes(model.num_params(), gathered_parameters(model), ds_config, 1)
+    activations = activation_bytes(config, cfg.data.micro_batch_size, cfg.data.seq_len, PRECISION_DTYPES[precision])
+    parts = Parts(*states, activations, reduce_bucket_bytes(ds_config) + replay_bytes(config))
+    return {**parts.as_dict(), "tensors": parts.tensors, "total": parts.total}
+
+
+def measure_training(case: Case, settings: Settings, cap_s: float, result: dict) -> None:
+    """Build the trainer's engine for the case's config and time `Trainer.train_step` on
+    synthetic tokens, filling `result` as figures come (a case cut short keeps them)."""
+    import torch
+    from pretrain.config import gpu_attention, resolved_precision
     from pretrain.flops import achieved_tflops, mfu
+    from pretrain.models.ebt import replay_store_bytes
     from pretrain.train import Trainer
 
+    started = time.perf_counter()
     on_gpu = settings.device == "cuda"
     with tempfile.TemporaryDirectory(prefix="bench-gpu-") as output_root:
-        trainer = Trainer(run_config(case, settings, micro_batch, output_root))
+        cfg = bench_config(case, settings, output_root)
+        micro_batch, seq_len = cfg.data.micro_batch_size, cfg.data.seq_len
+        predicted = gpu_attention(cfg)  # on this GPU; H100-class where there is none
+        result.update(config=case.config, overrides=case.overrides, flavor=cfg.model.flavor,
+                      compile=cfg.model.compile, micro_batch=micro_batch, seq_len=seq_len,
+                      precision=resolved_precision(cfg, on_gpu), attention={
+                          "predicted": predicted and predicted[0], "head_dim": predicted and predicted[1]})
+        if case.fill_replay_store:
+            result["plan"] = planned_memory(cfg, settings.vocab_size)
+        trainer = Trainer(cfg)
         try:
             trainer.build_engine(settings.vocab_size)
-            trainer.batches = synthetic_batches(micro_batch, case.seq_len, settings.vocab_size, pin=on_gpu)
+            result.update(params=trainer.params, flops_per_token=trainer.flops_per_token)
+            trainer.batches = synthetic_batches(micro_batch, seq_len, settings.vocab_size, pin=on_gpu)
+            losses: list[float] = []
 
             def step() -> float:
                 start = time.perf_counter()
-                result = trainer.train_step(log_now=False)  # ends in a host sync (all-reduce, .tolist())
+                losses.append(trainer.train_step(log_now=False).loss)  # ends in a host sync (.tolist())
                 trainer.state.step += 1
-                losses.append(result.loss)
                 return time.perf_counter() - start
 
-            losses: list[float] = []
-            kernels = attention_kernels(step)
-            for _ in range(settings.warmup - 1):
+            for _ in range(settings.warmup):
                 step()
-            trainer.throughput.reset_interval()
-            seconds = []
-            timed_until = started + 0.8 * settings.case_seconds
-            while len(seconds) < settings.steps and (len(seconds) < 2 or time.perf_counter() < timed_until):
-                seconds.append(step())
-            tokens_per_step = micro_batch * case.seq_len
-            tokens_per_s = tokens_per_step / statistics.median(seconds)
+            if case.fill_replay_store:
+                store, rows = trainer.engine.module.replay_store, trainer.model_config.replay_buffer_size
+                while int((store.tensors["lengths"] > 0).sum()) < rows:
+                    step()
+                result["replay_store"] = {
+                    "rows": rows, "replayed_rows_per_step": trainer.model_config.replayed_rows(micro_batch),
+                    "bytes": sum(t.nbytes for t in store.tensors.values()),
+                    "planned_bytes": replay_store_bytes(trainer.model_config)}
+            ran = attention_kernels(step)
+            result["attention"].update(ran=ran, holds=prediction_holds(result["attention"]["predicted"], ran)
+                                       if on_gpu else None)
+            seconds: list[float] = []
             peak = trainer.throughput.peak_tflops  # train.peak_tflops, or the device's entry in pretrain.flops
-            return {
-                "params": trainer.params, "flops_per_token": trainer.flops_per_token,
-                "tokens_per_step": tokens_per_step, "timed_steps": len(seconds),
-                "step_ms_median": 1e3 * statistics.median(seconds), "step_ms_min": 1e3 * min(seconds),
-                "tokens_per_s": tokens_per_s,
-                "tflops": achieved_tflops(trainer.flops_per_token, tokens_per_s),
-                "peak_tflops": peak,
-                "mfu": mfu(trainer.flops_per_token, tokens_per_s, 1, peak) if peak else None,
-                "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None,
-                "data_wait_frac": trainer.throughput.figures()["train/data_wait_frac"],
-                "attention_kernels": kernels, "precision": trainer.precision,
-                "loss_first": losses[0], "loss_last": losses[-1],
-            }
+            while len(seconds) < settings.steps and (len(seconds) < 2 or time.perf_counter() - started < 0.8 * cap_s):
+                seconds.append(step())
+                tokens_per_s = micro_batch * seq_len / statistics.median(seconds)
+                result.update(
+                    timed_steps=len(seconds), step_ms_median=1e3 * statistics.median(seconds),
+                    step_ms_min=1e3 * min(seconds), tokens_per_s=tokens_per_s,
+                    tflops=achieved_tflops(trainer.flops_per_token, tokens_per_s), peak_tflops=peak,
+                    mfu=mfu(trainer.flops_per_token, tokens_per_s, 1, peak) if peak else None,
+                    loss_first=losses[0], loss_last=losses[-1])
+            if not all(map(math.isfinite, losses)):
+                result.update(status="error", error="non-finite training loss")
         finally:
+            if on_gpu:
+                result.update(peak_memory_gib=torch.cuda.max_memory_allocated() / GIB,
+                              peak_reserved_gib=torch.cuda.max_memory_reserved() / GIB)
+                if "plan" in result:
+                    result["peak_over_plan"] = torch.cuda.max_memory_allocated() / result["plan"]["tensors"]
             if "engine" in trainer.__dict__:
                 trainer.engine.destroy()
             trainer.close()
 
 
-def run_throughput(case: Case, settings: Settings) -> dict:
-    """`measure_throughput`, retried at half the micro-batch after running out of memory."""
-    import torch
-
-    started = time.perf_counter()
-    micro_batch, oom_retries = case.micro_batch, 0
-    while True:
-        memory_at_start = None
-        if settings.device == "cuda":
-            gc.collect()  # what a previous case or attempt left in reference cycles
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-            memory_at_start = torch.cuda.memory_allocated() / 2**30
-        try:
-            measured = measure_throughput(case, settings, micro_batch, started)
-        except torch.OutOfMemoryError:
-            oom_retries += 1
-            elapsed = time.perf_counter() - started
-            if micro_batch == 1 or elapsed > 0.5 * settings.case_seconds:
-                return {"status": "oom", "micro_batch": micro_batch, "oom_retries": oom_retries,
-                        "error": f"out of memory at micro-batch {micro_batch}"}
-            micro_batch //= 2
-            continue
-        finite = all(map(math.isfinite, (measured["loss_first"], measured["loss_last"])))
-        return {"status": "ok" if finite else "error", "micro_batch": micro_batch, "oom_retries": oom_retries,
-                "memory_at_start_gib": memory_at_start,
-                **({} if finite else {"error": "non-finite training loss"}), **measured}
-
-
 ENERGY_HEAD = "descent.energy_head.weight"
 """EBT's energy head: its gradient comes only through the second-order backward."""
-EBT_CHECK_TOLERANCES = {
-    "tf32": {"loss": 1e-3, "grads": 2e-2},
-    "bf16": {"loss": 5e-3, "grads": 1e-1},
-}
+BF16_TOLERANCE = {"loss": 5e-3, "grads": 1e-1}
 """Relative errors allowed against the float32 reference: |loss - ref| / |ref|, and for the
 gradients the largest ||g - g_ref|| / ||g_ref|| over the parameter tensors (the energy head's
 gradient, reached only through the second-order backward, among them). On CPU, bf16 gave
-3-6e-5 for the loss and 1-2.4e-2 for the worst tensor (docs/benchmarks.md, "GPU (H200)");
-TF32 rounds only matmul inputs, to 10 mantissa bits instead of bf16's 7 everywhere."""
+3-6e-5 for the loss and 1-2.4e-2 for the worst tensor up to 4 layers at T=256
+(docs/benchmarks.md, "GPU (H200)")."""
 
 
-def run_ebt_check(case: Case, settings: Settings) -> dict:
+def check_bf16(case: Case, settings: Settings, cap_s: float, result: dict) -> None:
     """Loss and gradients of one EBT training forward/backward (second order through the
-    descent) with TF32 matmuls (GPU only) and with the model in bf16, as DeepSpeed's bf16 runs
-    it, against the same model in float32 with full-precision matmuls."""
+    descent) with the model in bf16, as DeepSpeed's bf16 runs it, against the same model in
+    float32 with full-precision matmuls."""
     import copy
 
     import torch
     from pretrain.models import build, resolve
 
-    on_gpu = settings.device == "cuda"
     device = torch.device(settings.device)
     vocab = -(-settings.vocab_size // 64) * 64
-    config = resolve(case.flavor, {"vocab_size": vocab, "block_size": case.seq_len, **case.overrides})
+    config = resolve(case.flavor, {"vocab_size": vocab, "block_size": case.seq_len})
     torch.manual_seed(0)
     reference = build(config).to(device).train()
     inputs, targets = next(synthetic_batches(case.micro_batch, case.seq_len, settings.vocab_size, pin=False))
     inputs, targets = inputs.to(device), targets.to(device)
+    result.update(flavor=case.flavor, micro_batch=case.micro_batch, seq_len=case.seq_len, n_layer=config.n_layer)
 
-    def loss_and_grads(model, tf32: bool):
-        if on_gpu:
-            torch.set_float32_matmul_precision("high" if tf32 else "highest")
+    def loss_and_grads(model):
         model.zero_grad(set_to_none=True)
-        torch.manual_seed(1)  # the same candidate noise for every variant (drawn in float32)
+        torch.manual_seed(1)  # the same candidate noise for both (drawn in float32)
         loss = model(inputs, targets).loss
         loss.backward()
         grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
         return loss.item(), grads
 
+    matmul_precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")  # no TF32 in the reference
     try:
-        ref_loss, ref_grads = loss_and_grads(reference, tf32=False)
-        variants = {"bf16": (copy.deepcopy(reference).to(torch.bfloat16), False)}
-        if on_gpu:
-            variants = {"tf32": (reference, True), **variants}
-        kernels = {}
-        results = {}
-        for name, (model, tf32) in variants.items():
-            kernels[name] = attention_kernels(lambda: loss_and_grads(model, tf32))
-            loss, grads = loss_and_grads(model, tf32)
-            results[name] = compare_to_reference(loss, grads, ref_loss, ref_grads, EBT_CHECK_TOLERANCES[name])
+        ref_loss, ref_grads = loss_and_grads(reference)
     finally:
-        if on_gpu:
-            torch.set_float32_matmul_precision("high")
-    return {"status": "ok" if all(r["pass"] for r in results.values()) else "failed",
-            "reference_loss": ref_loss, "energy_head_grad_norm": ref_grads[ENERGY_HEAD].norm().item(),
-            "variants": results, "attention_kernels": kernels, "tokens": case.micro_batch * case.seq_len}
+        torch.set_float32_matmul_precision(matmul_precision)
+    result.update(reference_loss=ref_loss, energy_head_grad_norm=ref_grads[ENERGY_HEAD].norm().item())
+    loss, grads = loss_and_grads(copy.deepcopy(reference).to(torch.bfloat16))
+    result.update(compare_to_reference(loss, grads, ref_loss, ref_grads, BF16_TOLERANCE))
+    if not result["pass"]:
+        result.update(status="failed", error="bf16 beyond its tolerance")
 
 
 def compare_to_reference(loss: float, grads: dict, ref_loss: float, ref_grads: dict, tolerance: dict) -> dict:
-    """Relative errors of a variant's loss and gradients (see EBT_CHECK_TOLERANCES)."""
+    """Relative errors of the loss and gradients (see BF16_TOLERANCE)."""
     per_tensor = {n: ((grads[n] - g).norm() / g.norm()).item()
                   for n, g in ref_grads.items() if n in grads and g.norm() > 0}
     worst = max(per_tensor, key=per_tensor.get)
@@ -359,6 +411,40 @@ def compare_to_reference(loss: float, grads: dict, ref_loss: float, ref_grads: d
     return {**errors, "tolerance": tolerance, "pass": passed}
 
 
+class CaseTimeout(BaseException):
+    """A case's time cap, raised where the case was by the alarm. A BaseException, so that no
+    `except Exception` on the way swallows it."""
+
+
+def _on_alarm(signum, frame) -> None:
+    raise CaseTimeout()
+
+
+def run_case(case: Case, settings: Settings, cap_s: float) -> dict:
+    """The case's result: its status and whatever it measured before it ended."""
+    import torch
+
+    torch._dynamo.reset()  # each compiled case compiles afresh, as a training run does
+    if settings.device == "cuda":
+        gc.collect()  # what a previous case left in reference cycles
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    result = {"memory_at_start_gib": torch.cuda.memory_allocated() / GIB} if settings.device == "cuda" else {}
+    started = time.perf_counter()
+    signal.setitimer(signal.ITIMER_REAL, cap_s)
+    try:
+        (measure_training if case.kind == "train" else check_bf16)(case, settings, cap_s, result)
+    except CaseTimeout:
+        result.update(status="timeout", error=f"time cap of {cap_s:.0f} s reached")
+    except torch.OutOfMemoryError as e:
+        result.update(status="oom", error=one_line(e))
+    except Exception as e:  # reported, and the next case still runs
+        result.update(status="error", error=one_line(e))
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+    return {"status": "ok", **result, "seconds": time.perf_counter() - started}
+
+
 def environment(device: str) -> dict:
     import deepspeed
     import torch
@@ -366,22 +452,33 @@ def environment(device: str) -> dict:
     env = {"python": platform.python_version(), "torch": torch.__version__, "deepspeed": deepspeed.__version__,
            "device": f"cpu ({platform.machine()})", "cuda": torch.version.cuda}
     if device == "cuda":
-        env.update(device=torch.cuda.get_device_name(), capability=".".join(map(str, torch.cuda.get_device_capability())),
+        sdpa = torch.backends.cuda
+        env.update(device=torch.cuda.get_device_name(),
+                   capability=".".join(map(str, torch.cuda.get_device_capability())),
                    cudnn=torch.backends.cudnn.version(),
-                   memory_gib=torch.cuda.get_device_properties(0).total_memory / 2**30)
-        try:  # a private API: recorded when this torch has it
-            from torch.nn.attention import SDPBackend
-
-            env["sdpa_priority"] = [SDPBackend(i).name for i in torch._C._get_sdp_priority_order()]
-        except Exception:
-            pass
+                   memory_gib=torch.cuda.get_device_properties(0).total_memory / GIB,
+                   sdpa_enabled={"flash": sdpa.flash_sdp_enabled(), "cudnn": sdpa.cudnn_sdp_enabled(),
+                                 "memory-efficient": sdpa.mem_efficient_sdp_enabled(),
+                                 "math": sdpa.math_sdp_enabled()})
     return env
 
 
+def imported() -> dict[str, list[str]]:
+    """What this process has imported: the repository's modules, and the other top-level packages
+    (outside the standard library), for tests/test_bench_gpu.py's check of the GPU machine's
+    packages."""
+    repository = ("common", "data_pipeline", "pretrain", "bench")
+    names = [name for name, module in list(sys.modules.items()) if module is not None]
+    top = {name.partition(".")[0] for name in names}
+    return {"repository": sorted(n for n in names if n.partition(".")[0] in repository),
+            "packages": sorted(t for t in top - set(repository) - sys.stdlib_module_names if not t.startswith("_"))}
+
+
 def worker() -> int:
-    """Run the cases given on stdin (JSON) in order; one protocol line per result on stdout.
-    A stop signal ends it with the case it was running reported as stopped (under Slurm the
-    whole job gets the scheduler's SIGTERM, this process too)."""
+    """Run the cases given on stdin (JSON) in order; protocol lines on stdout: the environment,
+    then per case one when it starts, one with its result and what has been imported. A stop
+    signal ends it with the case it was running reported as stopped (under Slurm the whole job
+    gets the scheduler's SIGTERM, this process too)."""
     spec = json.loads(sys.stdin.read())
     settings = Settings(**spec["settings"])
     case = None
@@ -396,14 +493,18 @@ def worker() -> int:
             distributed_env()
             deepspeed.init_distributed(verbose=False)
             emit({"environment": environment(settings.device)})
+            signal.signal(signal.SIGALRM, _on_alarm)
             for raw in spec["cases"]:
                 case = Case(**raw)
+                left = settings.deadline - time.monotonic()
+                if left < MIN_CASE_S:
+                    emit({"case": case.name, "status": "skipped", "error": "run budget spent"})
+                    continue
+                cap_s = min(case.cap_s, left)
+                emit({"start": case.name, "cap_s": cap_s})
                 started = time.perf_counter()
-                try:
-                    result = (run_ebt_check if case.kind == "ebt_check" else run_throughput)(case, settings)
-                except Exception as e:  # reported, and the next case still runs
-                    result = {"status": "error", "error": one_line(e)}
-                emit({"case": case.name, "seconds": time.perf_counter() - started, **result})
+                emit({"case": case.name, **run_case(case, settings, cap_s)})
+                emit({"imported": imported()})  # after each case: a worker that dies later has said it
                 case = None
     except (Stopped, KeyboardInterrupt) as e:  # the trainer raises KeyboardInterrupt for Ctrl-C
         signum = getattr(e, "signum", signal.SIGINT)
@@ -427,20 +528,25 @@ def one_line(e: BaseException) -> str:
 # Scheduling and reports (the parent process)
 
 
-def run_group(cases: list[Case], settings: Settings, deadline: float, log) -> Iterator[dict]:
-    """Run `cases` in one worker until they are done, it dies or `deadline` (monotonic) passes,
-    yielding each record as it arrives (then one for each case that did not finish). The worker
-    is stopped (`stop_worker`) also when this generator is closed early or a stop signal
-    interrupts it: it runs in a session of its own, which the terminal's Ctrl-C does not reach."""
+def run_worker(cases: list[Case], settings: Settings, deadline: float, log,
+               hang_grace_s: float = HANG_GRACE_S) -> Iterator[dict]:
+    """Run `cases` in one worker, yielding its records as they arrive. The worker is killed when
+    it stays silent past the running case's cap + `hang_grace_s` (or STARTUP_S while it starts),
+    or at `deadline` (monotonic); then, or when it dies, a record for the case it was running
+    says why, and the cases after it are left unreported for another worker, unless the worker
+    was stopped by a signal or ended between cases (then each gets the same reason). The worker
+    runs in a session of its own, which the terminal's Ctrl-C does not reach: it is stopped also
+    when this generator is closed early or a stop signal interrupts it."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if settings.device == "cpu":
         env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
-        env.pop(name, None)  # each worker is a world of its own
+        env.pop(name, None)  # the worker is a world of its own
     with signals_held():  # a stop now would leave a worker that nothing kills
         proc = subprocess.Popen([sys.executable, "-m", "bench.gpu", "--worker"], cwd=REPO, env=env, text=True,
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 start_new_session=True)
+    killed_because = None
     try:
         proc.stdin.write(json.dumps({"settings": dataclasses.asdict(settings),
                                      "cases": [dataclasses.asdict(c) for c in cases]}))
@@ -448,11 +554,17 @@ def run_group(cases: list[Case], settings: Settings, deadline: float, log) -> It
         lines: queue.Queue = queue.Queue()
         threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout] + [lines.put(None)],
                          daemon=True).start()
-        tail, pending = [], [c.name for c in cases]
-        while pending:
+        tail, unreported, running, ready = [], [c.name for c in cases], None, False
+        silent_until = time.monotonic() + STARTUP_S
+        while True:  # to the end of its output: what it imported comes after its last case
+            wait = min(silent_until, deadline) - time.monotonic()
             try:
-                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+                line = lines.get(timeout=max(0.0, wait))
             except queue.Empty:
+                killed_because = ("run budget spent" if time.monotonic() >= deadline else
+                                  f"no answer {hang_grace_s:.0f} s past its time cap: worker killed" if running else
+                                  f"no answer {hang_grace_s:.0f} s after its last one: worker killed" if ready else
+                                  f"worker did not start within {STARTUP_S:.0f} s: killed")
                 break
             if line is None:
                 break
@@ -461,27 +573,43 @@ def run_group(cases: list[Case], settings: Settings, deadline: float, log) -> It
                 tail = (tail + [line.strip()])[-5:]
                 continue
             record = json.loads(line[len(RESULT):])
-            if "case" in record:
-                pending.remove(record["case"])
+            ready = True
+            if "start" in record:
+                running = record["start"]
+                silent_until = time.monotonic() + record["cap_s"] + hang_grace_s
+            else:
+                if "case" in record:
+                    unreported.remove(record["case"])
+                    running = None
+                silent_until = time.monotonic() + hang_grace_s
             yield record
     finally:
         stop_worker(proc)
-    stopped_by = {128 + s: s.name for s in STOP_SIGNALS}.get(proc.returncode)  # see `worker`
-    if time.monotonic() >= deadline:
-        status, reason = "timeout", "time cap reached"
+        log.flush()
+    stopped_by = {128 + s: s.name for s in STOP_SIGNALS}.get(proc.returncode)
+    if killed_because:
+        status = "timeout" if running else "skipped" if killed_because == "run budget spent" else "crashed"
+        reason = killed_because
     elif stopped_by:
         status, reason = "stopped", f"worker stopped by {stopped_by}"
     else:
         status, reason = "crashed", f"worker exited with code {proc.returncode}: {tail[-1] if tail else 'no output'}"
-    for name in pending:
-        yield {"case": name, "status": status, "error": reason[:300]}
-    log.flush()
+    if running:
+        yield {"case": running, "status": status, "error": reason[:300]}
+        unreported.remove(running)
+        if not stopped_by or killed_because:
+            return  # another worker takes the cases after it
+    for name in unreported:
+        yield {"case": name, "status": "stopped" if stopped_by and not killed_because else status,
+               "error": reason[:300]}
 
 
 def stop_worker(proc: subprocess.Popen) -> None:
-    """End a worker still running: SIGTERM to its process group, SIGKILL after WORKER_GRACE_S."""
+    """End a worker still running: SIGTERM to its process group (and SIGCONT, should it be
+    stopped), SIGKILL after WORKER_GRACE_S."""
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
+        os.killpg(proc.pid, signal.SIGCONT)
         try:
             proc.wait(timeout=WORKER_GRACE_S)
         except subprocess.TimeoutExpired:
@@ -501,38 +629,63 @@ def markdown(report: dict) -> str:
     lines = [f"# bench.gpu ({report['mode']})", "",
              f"{report['date']}, {env.get('device', report['device'])}; torch {env.get('torch', '?')}, "
              f"DeepSpeed {env.get('deepspeed', '?')}, CUDA {env.get('cuda')}, cuDNN {env.get('cudnn')}; "
-             f"bf16, ZeRO-2, one process; synthetic tokens (vocabulary {report['vocab_size']}); "
+             f"one process; synthetic tokens (vocabulary {report['vocab_size']}); "
              f"{report['elapsed_s']:.0f} s of a {report['budget_s']:.0f} s budget.", ""]
-    columns = ("case", "status", "micro-batch x T", "tokens/s", "MFU", "TFLOP/s", "peak memory GiB",
-               "step ms (median)", "data wait", "attention kernels (calls per step)")
-    rows, checks = [], []
+    columns = ("case", "status", "micro-batch x T", "tokens/s", "MFU", "TFLOP/s", "peak GiB",
+               "step ms (median)", "attention: predicted / ran (calls per step)")
+    rows = []
     for r in report["cases"]:
-        if r.get("kind") == "ebt_check":
-            checks.append(r)
-        elif r["status"] != "ok":
-            rows.append(dict.fromkeys(columns, "") | {"case": r["case"], "status": f"{r['status']}: {r.get('error', '')}"})
-        else:
-            kernels = ", ".join(f"{k} {v}" for k, v in r["attention_kernels"].items()) or "none (explicit)"
-            rows.append(dict(zip(columns, (
-                r["case"], "ok", f"{r['micro_batch']} x {r['tokens_per_step'] // r['micro_batch']}",
-                f"{r['tokens_per_s']:,.0f}", _percent(r["mfu"]), f"{r['tflops']:.3g}",
-                _number(r["peak_memory_gib"]), f"{r['step_ms_median']:.1f}", f"{r['data_wait_frac']:.1%}", kernels))))
+        if r["kind"] != "train":
+            continue
+        attention = r.get("attention", {})
+        ran = ", ".join(f"{k} {v}" for k, v in attention.get("ran", {}).items()) or "none"
+        holds = " **DISAGREES**" if attention.get("holds") is False else ""
+        rows.append(dict(zip(columns, (
+            r["case"], r["status"] if r["status"] == "ok" else f"{r['status']}: {r.get('error', '')}",
+            f"{r['micro_batch']} x {r['seq_len']}" if "micro_batch" in r else "",
+            f"{r['tokens_per_s']:,.0f}" if "tokens_per_s" in r else "", _percent(r.get("mfu")),
+            f"{r['tflops']:.3g}" if "tflops" in r else "", _number(r.get("peak_memory_gib")),
+            f"{r['step_ms_median']:.1f}" if "step_ms_median" in r else "",
+            f"{attention.get('predicted')} / {ran}{holds}" if "ran" in attention else ""))))
     if rows:
         lines.append(markdown_table(rows).rstrip("\n"))
-    for r in checks:
-        lines += ["", f"**{r['case']}**: {r['status']}"]
-        if "variants" not in r:
-            lines[-1] += f" ({r.get('error', '')})"
-            continue
-        lines += [f"(reference loss {r['reference_loss']:.4f} in float32 without TF32, "
-                  f"energy-head gradient norm {r['energy_head_grad_norm']:.3g})", ""]
-        lines.append(markdown_table([{
-            "variant": name, "loss rel. error": f"{v['loss_rel_err']:.2e}",
-            "worst gradient rel. error (tensor)": f"{v['max_grad_rel_err']:.2e} ({v['max_grad_rel_err_param']})",
-            "energy-head gradient rel. error": f"{v['energy_head_grad_rel_err']:.2e}",
-            "tolerance (loss / gradients)": f"{v['tolerance']['loss']:g} / {v['tolerance']['grads']:g}",
-            "pass": "yes" if v["pass"] else "NO"} for name, v in r["variants"].items()]).rstrip("\n"))
+    for r in report["cases"]:
+        if "replay_store" in r or "plan" in r:
+            lines += ["", memory_line(r)]
+        if r["kind"] == "bf16_check":
+            lines += ["", bf16_line(r)]
     return "\n".join(lines) + "\n"
+
+
+def memory_line(r: dict) -> str:
+    line = f"**{r['case']}** ({r['status']}"
+    if r["status"] != "ok":
+        line += f": {r.get('error', '')}"
+    line += ")"
+    store = r.get("replay_store")
+    if store:
+        line += (f": micro-batch {r['micro_batch']} + {store['replayed_rows_per_step']} replayed rows x "
+                 f"T={r['seq_len']}, store of {store['rows']} rows full, {store['bytes'] / GIB:.2f} GiB "
+                 f"(planned {store['planned_bytes'] / GIB:.2f})")
+    if "plan" in r:
+        plan = r["plan"]
+        line += (f"; plan for 1 GPU: {plan['tensors'] / GIB:.1f} GiB of tensors, {plan['total'] / GIB:.1f} with its "
+                 f"margin; measured peak {_number(r.get('peak_memory_gib'))} GiB allocated, "
+                 f"{_number(r.get('peak_reserved_gib'))} reserved")
+        if r.get("peak_over_plan"):
+            line += f" ({r['peak_over_plan']:.2f} x the plan's tensors)"
+    return line + "."
+
+
+def bf16_line(r: dict) -> str:
+    line = f"**{r['case']}** ({r['status']}"
+    if "loss_rel_err" not in r:
+        return line + f": {r.get('error', '')})."
+    return line + (f"): {r['n_layer']} layers, {r['micro_batch']} x {r['seq_len']} tokens; relative errors: loss "
+                   f"{r['loss_rel_err']:.2e}, worst gradient {r['max_grad_rel_err']:.2e} "
+                   f"({r['max_grad_rel_err_param']}), energy head {r['energy_head_grad_rel_err']:.2e}; tolerance "
+                   f"{r['tolerance']['loss']:g} / {r['tolerance']['grads']:g} (reference loss "
+                   f"{r['reference_loss']:.4f} in float32 without TF32).")
 
 
 def _percent(x: float | None) -> str:
@@ -547,79 +700,75 @@ def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="python -m bench.gpu", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny flavors (small vocabulary, T=64): a smoke test")
-    parser.add_argument("--out", default="bench/out/gpu", help="directory for gpu.json, gpu.md and the log")
+    parser.add_argument("--out", default="bench/out/gpu", help="directory for gpu.json, gpu.md and the worker's log")
     parser.add_argument("--budget-s", type=float, default=None,
-                        help="wall-clock budget of the whole run (default 420 s; 240 s with --tiny)")
-    parser.add_argument("--case-seconds", type=float, default=None,
-                        help="time cap of one case (default 40 s; 60 s with --tiny)")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps per case at most (default 10; 2 tiny)")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed steps per case (default 3; 1 tiny)")
+                        help="wall-clock budget of the whole run (default 300 s; 150 s with --tiny)")
     parser.add_argument("--only", nargs="+", metavar="TEXT", help="run only cases whose name contains one of these")
-    parser.add_argument("--compile", action="store_true",
-                        help="add torch.compile (inductor) cases for the families without double backward")
     parser.add_argument("--peak-tflops", type=float, default=None, help="peak for MFU (default: by device name)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         return worker()
 
+    start, wall_start = time.monotonic(), datetime.datetime.now(datetime.timezone.utc)
     if args.device == "cpu" and not args.tiny:
         print("error: the paper-size cases need a GPU; on a CPU use --device cpu --tiny", file=sys.stderr)
         return 2
+    tiny = args.tiny
+    plan = case_plan(tiny)  # imports torch (not CUDA's context: the worker makes that)
     if args.device == "cuda" and not _has_cuda():
         print("error: no CUDA device is visible; use --device cpu --tiny for the CPU smoke test", file=sys.stderr)
         return 2
-    tiny = args.tiny
-    settings = Settings(device=args.device, vocab_size=512 if tiny else GPT2_VOCAB,
-                        warmup=max(1, args.warmup or (1 if tiny else 3)), steps=max(2, args.steps or (2 if tiny else 10)),
-                        case_seconds=args.case_seconds or (60.0 if tiny else 40.0), peak_tflops=args.peak_tflops)
-    budget = args.budget_s or (240.0 if tiny else 420.0)
-    plan = tiny_plan() if tiny else gpu_plan()
-    if args.compile:
-        plan += compile_cases(plan)
     if args.only:
         plan = [c for c in plan if any(text in c.name for text in args.only)]
     if not plan:
         print("error: --only matches no case", file=sys.stderr)
         return 2
-
-    start, wall_start = time.monotonic(), datetime.datetime.now(datetime.timezone.utc)
+    budget = args.budget_s or BUDGET_S["tiny" if tiny else "gpu"]
+    deadline = start + budget - REPORT_RESERVE_S
+    settings = Settings(device=args.device, vocab_size=512 if tiny else GPT2_VOCAB, warmup=2,
+                        steps=2 if tiny else 10, peak_tflops=args.peak_tflops, deadline=deadline)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = {c.name: {"case": c.name, "kind": c.kind, "flavor": c.flavor, "checkpointing": c.checkpointing,
-                        "status": "pending", **({"overrides": c.overrides} if c.overrides else {}),
-                        **({"compile": c.compile} if c.compile != "off" else {})} for c in plan}
+    results = {c.name: {"case": c.name, "kind": c.kind, "status": "pending"} for c in plan}
     report = {"mode": ("tiny " if tiny else "") + args.device, "device": args.device,
               "date": wall_start.strftime("%Y-%m-%d %H:%M UTC"), "vocab_size": settings.vocab_size,
-              "budget_s": budget, "elapsed_s": 0.0, "settings": dataclasses.asdict(settings),
+              "budget_s": budget, "elapsed_s": 0.0, "warmup_steps": settings.warmup, "timed_steps": settings.steps,
               "command": "python -m bench.gpu " + " ".join(sys.argv[1:] if argv is None else argv),
-              "environment": {}, "cases": list(results.values())}
-    groups: dict[str, list[Case]] = {}
-    for case in plan:
-        groups.setdefault(case.group, []).append(case)
+              "environment": {}, "imported": {}, "cases": list(results.values())}
+
+    def update(record: dict) -> None:
+        if "environment" in record:
+            report["environment"] = report["environment"] or record["environment"]
+        elif "imported" in record:
+            for key, names in record["imported"].items():
+                report["imported"][key] = sorted(set(report["imported"].get(key, [])) | set(names))
+        elif "start" in record:
+            results[record["start"]]["status"] = "running"
+            print(f"[{time.monotonic() - start:5.0f} s] {record['start']}", flush=True)
+        else:
+            results[record["case"]].update(record)
+            print(f"    {summary_line(results[record['case']])}", flush=True)
+        report["elapsed_s"] = time.monotonic() - start
+        write_reports(out, report)
+
     try:
-        with stop_signals_raising(), open(out / "gpu_workers.log", "w") as log:
-            for cases in groups.values():
-                left = budget - (time.monotonic() - start)
-                if left < STARTUP_S / 2:
-                    for case in cases:
+        with stop_signals_raising(), open(out / "gpu_worker.log", "w") as log:
+            pending = plan
+            while pending:
+                if deadline - time.monotonic() < MIN_START_S:
+                    for case in pending:
                         results[case.name].update(status="skipped", error="run budget spent")
-                    continue
-                deadline = time.monotonic() + min(left, STARTUP_S + len(cases) * 1.5 * settings.case_seconds)
-                print(f"[{time.monotonic() - start:5.0f} s] {', '.join(c.name for c in cases)}", flush=True)
-                with contextlib.closing(run_group(cases, settings, deadline, log)) as records:
+                    break
+                hard_deadline = start + budget - WORKER_GRACE_S - 2
+                with contextlib.closing(run_worker(pending, settings, hard_deadline, log)) as records:
                     for record in records:
-                        if "environment" in record:
-                            report["environment"] = report["environment"] or record["environment"]
-                            continue
-                        results[record["case"]].update(record)
-                        print(f"    {record['case']}: {summary_line(results[record['case']])}", flush=True)
-                        report["elapsed_s"] = time.monotonic() - start
-                        write_reports(out, report)
+                        update(record)
+                pending = [c for c in pending if results[c.name]["status"] == "pending"]
     except Stopped as e:
         name = signal.Signals(e.signum).name
         for r in results.values():
-            if r["status"] == "pending":
+            if r["status"] in ("pending", "running"):
                 r.update(status="stopped", error=f"stopped by {name}")
         report["elapsed_s"] = time.monotonic() - start
         write_reports(out, report)
@@ -633,20 +782,20 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def summary_line(r: dict) -> str:
-    if r["status"] not in ("ok", "failed"):
-        return f"{r['status']} ({r.get('error', '')})"
-    if r["kind"] == "ebt_check":
-        return r["status"] + "; " + ", ".join(
-            f"{n}: loss {v['loss_rel_err']:.1e}, gradients {v['max_grad_rel_err']:.1e}" for n, v in r["variants"].items())
-    return (f"{r['tokens_per_s']:,.0f} tokens/s, MFU {_percent(r['mfu'])}, "
-            f"peak {_number(r['peak_memory_gib'])} GiB, {r['step_ms_median']:.1f} ms/step")
+    if r["status"] != "ok" or r["kind"] == "bf16_check":
+        return bf16_line(r) if "loss_rel_err" in r else f"{r['case']}: {r['status']} ({r.get('error', '')})"
+    line = (f"{r['case']}: {r['tokens_per_s']:,.0f} tokens/s, MFU {_percent(r['mfu'])}, "
+            f"peak {_number(r.get('peak_memory_gib'))} GiB, {r['step_ms_median']:.1f} ms/step")
+    if r["attention"].get("holds") is False:
+        line += f"; attention ran {r['attention']['ran']}, predicted {r['attention']['predicted']}: DISAGREES"
+    return line
 
 
 def _has_cuda() -> bool:
-    """Without importing torch in this process (the workers do)."""
-    probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.is_available())"],
-                           capture_output=True, text=True)
-    return probe.stdout.strip() == "True"
+    """Whether torch sees a GPU: counting devices initialises the driver, no context or memory."""
+    import torch
+
+    return torch.cuda.is_available()
 
 
 if __name__ == "__main__":

@@ -8,8 +8,12 @@
 #                                         manylinux x86_64); .whl/ is not committed
 #
 # The benchmark needs torch (the GPU machine's own CUDA build) and, from requirements.txt,
-# deepspeed, pyyaml, tensorboard, tqdm and numpy; the data pipeline's packages are not used
-# (synthetic tokens). Set PYTHON to use another interpreter than python3.
+# deepspeed, pyyaml, tensorboard, tqdm, numpy and xxhash; the data pipeline's packages are not
+# used (synthetic tokens). The GPU machine's image has torch, numpy, pyyaml, tensorboard, tqdm,
+# xxhash, psutil, py-cpuinfo, msgpack, einops, packaging, transformers and safetensors, but not
+# deepspeed nor its imports hjson and pydantic: those are the wheels below.
+# tests/test_bench_gpu.py checks that every package bench.gpu imports is in one of the two.
+# Set PYTHON to use another interpreter than python3.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -20,7 +24,7 @@ WHEELS=.whl
 PURE_WHEELS=(deepspeed==0.19.8 hjson==3.1.0 pydantic==2.14.4 annotated-types==0.8.0
              typing-inspection==0.4.5 typing-extensions==4.16.0)
 BINARY_WHEELS=(pydantic-core==2.50.5)
-IMPORTS="import deepspeed, yaml, tensorboard, tqdm, numpy"
+IMPORTS="import deepspeed, yaml, tensorboard, tqdm, numpy, xxhash"
 
 if [[ "${1:-}" == "fetch-wheels" ]]; then
     version=${2:-3.12}
