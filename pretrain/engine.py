@@ -177,7 +177,8 @@ def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ds_conf
     """Wrap model and optimizer in a DeepSpeed engine. Modules that must be gathered whole under
     ZeRO-3 (those calling autograd.grad in forward, e.g. EBT's descent) are marked as leaves.
     `compile_backend` other than "off" compiles the module through DeepSpeed's
-    `engine.compile` (torch.compile in place, so parameter and checkpoint names stay as they are)."""
+    `engine.compile` (torch.compile in place, so parameter and checkpoint names stay as they are;
+    on CPU with deterministic kernels, which exact resume needs)."""
     import deepspeed
     from deepspeed.utils import set_z3_leaf_modules
 
@@ -186,5 +187,18 @@ def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ds_conf
         set_z3_leaf_modules(model, leaves)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     if compile_backend != "off":
+        if engine.device.type == "cpu":
+            deterministic_compiled_cpu_kernels()
         engine.compile(backend=compile_backend)
     return engine
+
+
+def deterministic_compiled_cpu_kernels() -> None:
+    """Have inductor generate CPU kernels whose float sums have a fixed order. Its embedding
+    backward otherwise adds the rows of repeated tokens with atomic adds from several threads,
+    in an order that varies with scheduling (on a busy host a resumed run's loss differed from
+    the uninterrupted run's in the last bit); in deterministic mode it calls aten's serial
+    kernel instead, as eager does. New tensors stay unfilled (deterministic mode would also fill
+    each one, a cost that orders no sum)."""
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = False

@@ -1,0 +1,139 @@
+"""torch.compile, on (inductor) in the OpenWebText configs of the families without double
+backward: each family's training forward is one graph, its compiled loss and gradients equal
+eager's up to float rounding, and a compiled run resumes with the uninterrupted run's losses."""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+from torch._inductor.utils import run_and_get_code
+
+import trainer_runs as runs
+from numerics import assert_rounding_close
+from pretrain.config import load_config
+from pretrain.engine import deterministic_compiled_cpu_kernels
+from pretrain.models import build, model_class, resolve
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "owt"
+
+TINY = {
+    "gpt": ("gpt-tiny", {"n_layer": 2}),
+    "gpt_rec": ("gpt_rec-tiny", {"n_steps": 2}),
+    # the OpenWebText configs' code path: full heads, ff2w, reference gradient, SDPA, the
+    # released dropout placement (at their dropout of 0)
+    "nrgpt": ("nrgpt-tiny", {"n_steps": 2, "dropout_placement": "attention"}),
+    "transformer_pp": ("transformer_pp-tiny", {"n_layer": 2}),
+}
+"""One tiny model per family that the OpenWebText configs compile."""
+
+VARIANTS = {
+    "nrgpt exact (explicit scores, self term)": ("nrgpt-tiny", {"grad_mode": "exact"}, False),
+    "nrgpt lowrank, strict mask, ff1 relu": ("nrgpt-tiny", {"attention": "lowrank", "mask": "strict",
+                                                           "ff_energy": "ff1", "ff_act": "relu"}, False),
+    "nrgpt ff2, rmsnorm, diag_gamma eta per step": ("nrgpt-tiny", {"ff_energy": "ff2", "norm": "rmsnorm",
+                                                                  "learnable_gamma": True, "eta": "diag_gamma",
+                                                                  "eta_per_step": True}, False),
+    "nrgpt released dropout, energies logged": ("nrgpt-tiny", {"dropout": 0.1, "dropout_placement": "attention"},
+                                                True),
+    "nrgpt step checkpointing": ("nrgpt-tiny", {"activation_checkpointing": "step"}, True),
+    "gpt dropout, block checkpointing": ("gpt-tiny", {"dropout": 0.1, "activation_checkpointing": "block"}, False),
+    "transformer_pp block checkpointing": ("transformer_pp-tiny", {"activation_checkpointing": "block"}, False),
+}
+"""Other code paths of the compiled families: (flavor, overrides, return_energies as the trainer's
+logging steps ask)."""
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles from nothing (and counts its own graphs: compiled frames of earlier
+    tests would count against dynamo's recompile limit, past which it silently runs eagerly)
+    and leaves torch's deterministic mode as it found it (a compiled CPU engine sets it)."""
+    torch._dynamo.reset()
+    counters.clear()
+    deterministic = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    yield
+    torch._dynamo.reset()
+    torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
+    torch.utils.deterministic.fill_uninitialized_memory = fill
+
+
+def training_step(model, idx, return_energies=False) -> torch.Tensor:
+    torch.manual_seed(1)
+    loss = model(idx, torch.roll(idx, -1, dims=1), return_energies=return_energies).loss
+    loss.backward()
+    return loss.detach()
+
+
+def test_openwebtext_configs_compile_every_family_without_double_backward():
+    compiled = set()
+    for path in sorted(CONFIGS.glob("*.yaml")):
+        cfg = load_config(path)
+        double_backward = model_class(resolve(cfg.model.flavor)).needs_double_backward
+        assert cfg.model.compile == ("off" if double_backward else "inductor"), path.name
+        if cfg.model.compile != "off":
+            compiled.add(cfg.model.flavor.split("-")[0])
+    assert compiled == set(TINY)
+
+
+@pytest.mark.parametrize("family", TINY)
+def test_compiled_training_step_equals_eager(family):
+    """Inductor's loss and every parameter's gradient equal eager's up to rounding (it fuses and
+    reorders float32 arithmetic); fullgraph=True raises at a graph break. With the trainer's CPU
+    setting its kernels add no floats atomically (an order that varies between runs)."""
+    flavor, overrides = TINY[family]
+    torch.manual_seed(0)
+    eager = build(resolve(flavor, dict(vocab_size=64, block_size=32, **overrides))).train()
+    compiled = copy.deepcopy(eager)
+    compiled.compile(backend="inductor", fullgraph=True)
+    deterministic_compiled_cpu_kernels()
+    idx = torch.randint(0, 64, (2, 32))
+    loss = training_step(eager, idx)
+    compiled_loss, kernels = run_and_get_code(training_step, compiled, idx)
+    assert_rounding_close(compiled_loss, loss)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    assert len(kernels) == 2 and not any("atomic_add" in code for code in kernels)  # forward, backward
+    for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
+        assert_rounding_close(q.grad, p.grad, msg=name)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_training_forward_has_no_graph_break(variant):
+    """Dynamo captures the training forward (and the backward of the custom autograd Functions:
+    NRGPT's GELU with its slope and the self term's mixing) whole. Only capture is checked here
+    (backend "eager": no code generation); the step still computes what eager does."""
+    flavor, overrides, return_energies = VARIANTS[variant]
+    torch.manual_seed(0)
+    eager = build(resolve(flavor, dict(vocab_size=64, block_size=16, **overrides))).train()
+    compiled = copy.deepcopy(eager)
+    compiled.compile(backend="eager", fullgraph=True)
+    idx = torch.randint(0, 64, (2, 16))
+    assert training_step(compiled, idx, return_energies) == training_step(eager, idx, return_energies)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+
+
+def test_compiled_run_resumes_with_the_uninterrupted_losses():
+    """A trainer run with model.compile=inductor (ZeRO-2, fp32 on CPU) resumed from its middle
+    checkpoint logs the uninterrupted run's losses bit for bit: both compile the same graphs,
+    and the engine has inductor's CPU kernels sum in a fixed order. Each run starts with dynamo
+    reset, as a requeued job's fresh process would."""
+    name = "compiled-nrgpt"
+    overrides = ["model.flavor=nrgpt-tiny", "model.compile=inductor", "train.max_steps=6",
+                 "checkpoint.interval=3", "eval.interval=0", "eval.sample_tokens=0"]
+    done = runs.train_here([*overrides, f"run_name={name}"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs >= 1 and not counters["graph_break"]
+    torch._dynamo.reset()
+    counters.clear()
+    resumed = runs.train_here([*overrides, f"run_name={name}-resumed",
+                               f"resume={runs.run_dir(name)}/ckpt/step_{3:08d}"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert counters["stats"]["unique_graphs"] == graphs and not counters["graph_break"]
+    reference = runs.scalars(name, "train/loss")
+    assert sorted(reference) == list(range(1, 7))
+    assert runs.scalars(f"{name}-resumed", "train/loss") == {step: reference[step] for step in range(4, 7)}
