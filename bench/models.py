@@ -5,8 +5,10 @@
 2. EBT's S1 training step (2 descent steps) relative to a Transformer++ step of the same
    backbone: with observed-stream reuse, without it, and with step conditioning.
 3. Peak memory of a training step with and without activation checkpointing at 2, 4, 8 steps.
+4. With `--compile`, instead: the training step of each family that the OpenWebText configs
+   compile, torch.compile (inductor) against eager, and NRGPT's at its released 6 steps.
 
-    python -m bench.models [--width 256 --heads 4 --seq-len 256 --batch 4 --steps 4 --rounds 10]
+    python -m bench.models [--width 256 --heads 4 --seq-len 256 --batch 4 --steps 4 --rounds 10] [--compile]
 
 Contenders are timed in one process, interleaved round by round, and the minimum over rounds
 is kept. Time is the process's CPU time with one intra-op thread by default (`--threads`): on a
@@ -15,6 +17,7 @@ thread measures the work done, which is what the FLOP ratios are compared agains
 from __future__ import annotations
 
 import argparse
+import copy
 import time
 from dataclasses import dataclass, field
 
@@ -22,6 +25,7 @@ import torch
 
 from bench.memory import peak_allocated_bytes
 from common.cli import ArgumentParser, run_command
+from pretrain.engine import deterministic_compiled_cpu_kernels
 from pretrain.models import build, resolve
 
 
@@ -137,6 +141,36 @@ def memory_costs(args, idx) -> None:
     print_table(("family", "checkpointing", "2 steps", "4 steps", "8 steps", "8 / 2"), rows)
 
 
+def compile_costs(args, idx) -> None:
+    S = args.steps
+    released = {"dropout_placement": "attention"}  # the OpenWebText configs' (dropout 0)
+    contenders = [
+        Contender("gpt_rec", "gpt_rec-tiny", {"n_steps": S}),
+        Contender("gpt", "gpt-tiny", {"n_layer": S}),
+        Contender("nrgpt (released: full heads, ff2w, eta full)", "nrgpt-tiny", {"n_steps": S, **released}),
+        Contender("transformer_pp", "transformer_pp-tiny", {"n_layer": S}),
+        Contender("nrgpt released, 6 steps", "nrgpt-tiny", {"n_steps": 6, **released}),
+    ]
+    deterministic_compiled_cpu_kernels()  # as a compiled CPU run of the trainer
+    models, compile_seconds = {}, {}
+    for contender in contenders:
+        eager = build_contender(contender, args)
+        compiled = copy.deepcopy(eager)
+        compiled.compile(backend="inductor", fullgraph=True)
+        start = time.perf_counter()
+        train_step(compiled, idx)
+        compile_seconds[contender.label] = time.perf_counter() - start
+        models[contender.label, "eager"], models[contender.label, "compiled"] = eager, compiled
+    seconds = seconds_per_step(models, idx, args.rounds)
+    rows = [(c.label, f"{seconds[c.label, 'eager'] * 1e3:.1f}", f"{seconds[c.label, 'compiled'] * 1e3:.1f}",
+             f"{seconds[c.label, 'compiled'] / seconds[c.label, 'eager']:.2f}", f"{compile_seconds[c.label]:.0f}")
+            for c in contenders]
+    print(f"4. Training step, torch.compile (inductor) vs eager, D={args.width}, {args.heads} heads, "
+          f"T={args.seq_len}, B={args.batch}, V={args.vocab}, {S} steps / layers unless named; "
+          "target: NRGPT at 6 steps compiled <= 0.8x eager")
+    print_table(("family", "eager ms/step", "compiled ms/step", "compiled / eager", "first step s (wall)"), rows)
+
+
 def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
     """The model shape and timing options of the model benchmarks (this one and bench.ebt)."""
     parser.add_argument("--width", type=int, default=256)
@@ -153,11 +187,16 @@ def main() -> None:
     parser = ArgumentParser(prog="python -m bench.models", description=__doc__.split("\n")[0])
     add_shape_arguments(parser)
     parser.add_argument("--only", choices=("families", "ebt", "memory"), default=None)
+    parser.add_argument("--compile", action="store_true",
+                        help="instead of sections 1-3: compiled (inductor) vs eager training steps")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     idx = torch.randint(0, args.vocab, (args.batch, args.seq_len))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads\n")
+    if args.compile:
+        compile_costs(args, idx)
+        return
     sections = {"families": family_costs, "ebt": ebt_costs, "memory": memory_costs}
     for name, section in sections.items():
         if args.only in (None, name):
