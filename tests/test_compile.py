@@ -54,11 +54,12 @@ def fresh_dynamo():
     and leaves torch's deterministic mode as it found it (a compiled CPU engine sets it)."""
     torch._dynamo.reset()
     counters.clear()
-    deterministic = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     fill = torch.utils.deterministic.fill_uninitialized_memory
     yield
     torch._dynamo.reset()
-    torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
+    torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
     torch.utils.deterministic.fill_uninitialized_memory = fill
 
 
