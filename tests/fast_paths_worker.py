@@ -8,29 +8,31 @@ import sys
 import deepspeed
 import torch
 
-from bench.gpu import Case, Settings, run_config, synthetic_batches
+from bench.gpu import REPO, synthetic_batches
+from pretrain.config import load_config
 from pretrain.engine import distributed_env
 from pretrain.train import Trainer
 
 STEPS = 3
-VARIANTS = {"foreach": {"fused": False}, "fused": {"fused": True}, "compiled": {"fused": False, "compile": "aot_eager"}}
+MICRO_BATCH, SEQ_LEN, VOCAB_SIZE = 4, 32, 512
+VARIANTS = {"foreach": {"fused": False}, "fused": {"fused": True},
+            "compiled": {"fused": False, "compile": "aot_eager"}}
 
 
 def main() -> None:
     torch.set_num_threads(1)
     distributed_env()
     deepspeed.init_distributed(verbose=False)
-    case = Case("fast paths", "gpt-tiny", "tests", micro_batch=4, seq_len=32)
-    settings = Settings(device="cpu", vocab_size=512, warmup=0, steps=STEPS, case_seconds=60, peak_tflops=None)
     for name, variant in VARIANTS.items():
-        cfg = run_config(case, settings, case.micro_batch, output_root="unused")
-        cfg.train.precision = "fp32"
-        cfg.optimizer.lr = 1e-2
-        cfg.optimizer.fused = variant["fused"]
-        cfg.model.compile = variant.get("compile", "off")
+        cfg = load_config(REPO / "configs/tiny/gpt.yaml", [
+            "run_name=fast-paths", "output_root=unused", "data.path=synthetic-tokens", "data.num_workers=0",
+            f"data.seq_len={SEQ_LEN}", f"data.micro_batch_size={MICRO_BATCH}",
+            f"train.global_batch_size={MICRO_BATCH}", "train.precision=fp32", "optimizer.lr=1e-2",
+            "schedule.warmup_steps=0", f"optimizer.fused={str(variant['fused']).lower()}",
+            f"model.compile={variant.get('compile', 'off')}"])
         trainer = Trainer(cfg)
-        trainer.build_engine(settings.vocab_size)
-        trainer.batches = synthetic_batches(case.micro_batch, case.seq_len, settings.vocab_size, pin=False)
+        trainer.build_engine(VOCAB_SIZE)
+        trainer.batches = synthetic_batches(MICRO_BATCH, SEQ_LEN, VOCAB_SIZE, pin=False)
         initial = torch.cat([p.detach().flatten() for p in trainer.engine.module.parameters()])
         losses = []
         for _ in range(STEPS):
