@@ -117,6 +117,22 @@ def test_training_forward_has_no_graph_break(variant):
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
 
 
+@pytest.mark.parametrize("flavor", ["gpt-tiny", "nrgpt-tiny"])
+def test_a_compiled_model_decodes_eagerly(flavor):
+    """The evaluation's text sample decodes token by token: each context length would be a new
+    graph (and past dynamo's recompile limit of 8 it would silently run eagerly anyway)."""
+    torch.manual_seed(0)
+    eager = build(resolve(flavor, dict(vocab_size=64, block_size=32))).eval()
+    compiled = copy.deepcopy(eager)
+    compiled.compile(backend="eager", fullgraph=True)
+    prompt = torch.randint(0, 64, (1, 5))
+    with torch.no_grad():
+        compiled(prompt)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert torch.equal(compiled.generate(prompt, 12, temperature=0.0), eager.generate(prompt, 12, temperature=0.0))
+    assert counters["stats"]["unique_graphs"] == 1
+
+
 def test_compiled_run_resumes_with_the_uninterrupted_losses():
     """A trainer run with model.compile=inductor (ZeRO-2, fp32 on CPU) resumed from its middle
     checkpoint logs the uninterrupted run's losses bit for bit: both compile the same graphs,

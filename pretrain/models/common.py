@@ -75,6 +75,9 @@ class LanguageModel(nn.Module):
         new = list(decode(self, idx, max_new_tokens, choose))
         return torch.cat([idx, *(token[:, None] for token in new)], dim=1)
 
+    # A compiled model decodes eagerly: each new context length would be another graph to
+    # compile (dynamo's recompile limit is 8), for a few tokens of sample.
+    @torch.compiler.set_stance("force_eager")
     def next_token_logits(self, idx: torch.Tensor, cache: DecodeCache | None = None) -> torch.Tensor:
         """[B, V] logits for the token after `idx` (without a cache: the whole context), or
         after the tokens in `cache` followed by `idx` (which the cache then holds too); EBT
