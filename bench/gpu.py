@@ -257,23 +257,12 @@ def bench_config(case: Case, settings: Settings, output_root: str):
 
 def planned_memory(cfg, vocab_size: int) -> dict[str, int]:
     """Bytes of one GPU at the peak of a step of `cfg` on one GPU, by part, as `python -m
-    pretrain.plan --gpus 1` has them (`make_plan` itself would import the data pipeline, and so
-    mosaicml-streaming, which the GPU machine lacks; tests/test_bench_gpu.py holds the two equal)."""
-    import torch
-    from pretrain.config import model_config, resolved_precision
-    from pretrain.engine import deepspeed_config
-    from pretrain.models import build
-    from pretrain.plan import (PRECISION_DTYPES, Parts, activation_bytes, gathered_parameters, model_state_bytes,
-                               reduce_bucket_bytes, replay_bytes)
+    pretrain.plan --gpus 1` has them (`make_plan` itself would look for a dataset through the
+    data pipeline, and so mosaicml-streaming, which the GPU machine lacks)."""
+    from pretrain.config import model_config
+    from pretrain.plan import memory_parts
 
-    precision = resolved_precision(cfg, has_gpu=True)
-    config = model_config(cfg, vocab_size)
-    with torch.device("meta"):
-        model = build(config)
-    ds_config = deepspeed_config(cfg, 1, precision)
-    states = model_state_bytes(model.num_params(), gathered_parameters(model), ds_config, 1)
-    activations = activation_bytes(config, cfg.data.micro_batch_size, cfg.data.seq_len, PRECISION_DTYPES[precision])
-    parts = Parts(*states, activations, reduce_bucket_bytes(ds_config) + replay_bytes(config))
+    parts = memory_parts(cfg, model_config(cfg, vocab_size), 1, cfg.data.micro_batch_size)
     return {**parts.as_dict(), "tensors": parts.tensors, "total": parts.total}
 
 

@@ -383,35 +383,43 @@ def dataset_vocabulary(cfg: RunConfig) -> tuple[int, str]:
     return FLAVORS[cfg.model.flavor].vocab_size, f"the flavor's own: no prepared dataset at {cfg.data.path}"
 
 
+def memory_parts(cfg: RunConfig, config: Any, gpus: int, micro_batch_size: int) -> Parts:
+    """What one GPU holds at the peak of a training step of `cfg` (its model config `config`)
+    on `gpus` GPUs at `micro_batch_size`, by part."""
+    precision = resolved_precision(cfg, has_gpu=True)
+    with torch.device("meta"):
+        model = build(config)
+    ds_config = deepspeed_config(cfg, gpus, precision)
+    states = model_state_bytes(model.num_params(), gathered_parameters(model), ds_config, gpus)
+    activations = activation_bytes(config, micro_batch_size, cfg.data.seq_len, PRECISION_DTYPES[precision])
+    return Parts(*states, activations, reduce_bucket_bytes(ds_config) + replay_bytes(config))
+
+
 def make_plan(config_path: str, cfg: RunConfig, gpus: int, gpu: str, find_largest: bool = True) -> Plan:
     """The plan of `cfg` on `gpus` GPUs of kind `gpu` (a key of GPUS), with the largest
     micro-batch that fits if `find_largest`. Raises ConfigError for a config the trainer would
     refuse at that GPU count."""
     validate(cfg, gpus, has_gpu=True)
     precision = resolved_precision(cfg, has_gpu=True)
-    dtype = PRECISION_DTYPES[precision]
     vocab, vocab_source = dataset_vocabulary(cfg)
     config = model_config(cfg, vocab)
     with torch.device("meta"):
         model = build(config)
     n_params = model.num_params()
-    ds_config = deepspeed_config(cfg, gpus, precision)
-    parameters, gradients, optimizer = model_state_bytes(n_params, gathered_parameters(model), ds_config, gpus)
-    buffers = reduce_bucket_bytes(ds_config) + replay_bytes(config)
     split = batch_split(cfg, gpus)
     seq_len = cfg.data.seq_len
+    parts = memory_parts(cfg, config, gpus, split.micro_batch_size)
 
     def activations(b: int) -> int:
-        return activation_bytes(config, b, seq_len, dtype)
+        return activation_bytes(config, b, seq_len, PRECISION_DTYPES[precision])
 
-    measured = {split.micro_batch_size: activations(split.micro_batch_size)}
-    parts = Parts(parameters, gradients, optimizer, measured[split.micro_batch_size], buffers)
+    measured = {split.micro_batch_size: parts.activations}
     capacity = GPUS[gpu].memory_bytes
     per_process = cfg.train.global_batch_size // gpus
     largest = None
     if find_largest:
         # total = (static + activations) x (1 + FRAGMENTATION) + RESERVED_BYTES <= capacity
-        static = parameters + gradients + optimizer + buffers
+        static = parts.tensors - parts.activations
         budget = math.floor((capacity - RESERVED_BYTES) / (1 + FRAGMENTATION)) - static
         largest = largest_fitting(activations, budget, per_process, measured)
     flops_per_token = model.flops_per_token(seq_len, training=True)

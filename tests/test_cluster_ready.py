@@ -98,10 +98,8 @@ def test_every_config_passes_check_at_every_gpu_count_that_divides_its_batch(con
                 f"error: train.global_batch_size={global_batch}: {world_size} processes cannot share it evenly")
     if config.startswith("configs/owt/"):  # the flagship runs launch on 1-16 nodes of 8 GPUs as they are
         assert all(cfg.train.global_batch_size % n == 0 for n in WORLD_SIZES)
-        # and their attention takes a fused kernel (EBT's is written out: no SDPA)
-        assert attention == [] if cfg.model.flavor.startswith("ebt") else (
-            attention[0].startswith("attention: SDPA's flash kernel") or
-            attention[0].startswith("attention: SDPA's efficient kernel"))
+        # and their attention takes a fused kernel
+        assert attention[0].startswith(("attention: SDPA's flash kernel", "attention: SDPA's efficient kernel"))
 
 
 def test_a_gpu_config_stops_without_a_usable_gpu_and_passes_its_check(datasets, tmp_path):

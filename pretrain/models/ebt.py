@@ -160,10 +160,6 @@ class EBTConfig(LlamaConfig):
                              "they never receive a gradient; use step_embeddings='shared' or min_steps=1")
 
     @property
-    def sdpa_head_dim(self) -> int | None:
-        return None  # its two-stream attention is written out (models.ebt_attention)
-
-    @property
     def n_prefix(self) -> int:
         """Tokens before the observed sequence in the observed stream (the step embedding)."""
         return 1 if self.time_embed else 0
