@@ -214,6 +214,8 @@ class DescentResult(NamedTuple):
     """The training objective (mean over steps, or last step when truncated), with its graph."""
     alpha: torch.Tensor
     """The (clamped) step size parameter, detached."""
+    steps_taken: torch.Tensor | None = None
+    """[B, R] descent steps each position took, with a `stop_tolerance`."""
 
 
 class EnergyDescent(nn.Module):
@@ -337,12 +339,18 @@ class EnergyDescent(nn.Module):
                 anchor: torch.Tensor | None = None, targets: torch.Tensor | None = None,
                 alpha_scale: torch.Tensor | None = None, noise_std: float = 0.0,
                 learning: bool = False, final_energy: bool = False,
-                cache: DecodeCache | None = None) -> DescentResult:
+                cache: DecodeCache | None = None, stop_tolerance: float | None = None) -> DescentResult:
         """Descend `n_steps` from `candidate` [B, R, V], the initial logits of the last R
         positions of `idx` [B, T] (R = T for a whole sequence). `targets` [B, R] gives the
         per-step losses; `alpha_scale` [B, R, 1] multiplies the step size; `learning` builds the
         second-order graph; `final_energy` also scores the final candidate; a decoding `cache`
         keeps the observed stream's keys and values across calls (`observe_cached`).
+
+        `stop_tolerance` (inference) stops each position on its own: once a step has changed its
+        energy by less than that fraction of the energy before it, the position keeps its
+        candidate (and loss) and takes no further step; the descent ends when all have stopped,
+        or after n_steps. The energy after step t is the one step t + 1 computes anyway, so the
+        positions still descending are untouched (tolerance 0: the fixed-step descent).
 
         `anchor`, in training, is an empty tensor that requires grad, added (as 0) to the
         observed embeddings, so its gradient is the last one the backward computes. DeepSpeed
@@ -361,6 +369,10 @@ class EnergyDescent(nn.Module):
         keep_graph = learning and not cfg.detach_between_steps
         first_row = idx.size(1) - candidate.size(1)
         y, energies, losses = candidate, [], []
+        descending = steps_taken = None
+        if stop_tolerance is not None:
+            descending = torch.ones(candidate.shape[:2], dtype=torch.bool, device=candidate.device)
+            steps_taken = torch.full(candidate.shape[:2], n_steps, device=candidate.device)
         with torch.enable_grad():  # the descent differentiates, also under a no_grad caller
             for t in range(n_steps):
                 step_observed = observed
@@ -378,7 +390,18 @@ class EnergyDescent(nn.Module):
                         *(tensor for kv in step_observed for tensor in kv),
                         *(p for p in self.parameters() if p.requires_grad))
                 else:
-                    y, energy, step_losses = self.step(y, step_observed, targets, alpha, settings)
+                    y_next, energy, step_losses = self.step(y, step_observed, targets, alpha, settings)
+                    if descending is not None and t > 0:
+                        change = (energy - energies[-1]).abs()
+                        settled = descending & (change < stop_tolerance * energies[-1].abs())
+                        steps_taken = torch.where(settled, t, steps_taken)
+                        descending = descending & ~settled
+                        if not descending.any():
+                            break  # y holds every position's final candidate
+                        y_next = torch.where(descending.unsqueeze(-1), y_next, y)
+                        if step_losses is not None:
+                            step_losses = torch.where(descending, step_losses, losses[-1])
+                    y = y_next
                 energies.append(energy)
                 losses.append(step_losses)
         if final_energy:
@@ -394,7 +417,7 @@ class EnergyDescent(nn.Module):
             loss = step_means[-1] if cfg.truncate_loss else step_means.mean()
             per_token, per_step = torch.stack(losses).detach(), step_means.detach()
         return DescentResult(y.detach(), torch.stack(energies), per_token, per_step, loss,
-                             self.alpha.detach().clamp(min=MIN_ALPHA).squeeze(0))
+                             self.alpha.detach().clamp(min=MIN_ALPHA).squeeze(0), steps_taken)
 
 
 class ThinkOutput(NamedTuple):
@@ -404,6 +427,8 @@ class ThinkOutput(NamedTuple):
     """[steps + 1, B, R] energy before each step and of the final candidate (chosen samples)."""
     loss_per_step: torch.Tensor | None
     """[steps] mean cross entropy after 1..steps steps (chosen samples), given targets."""
+    steps_taken: torch.Tensor | None = None
+    """[B, R] descent steps each position took (chosen samples), with a `stop_tolerance`."""
 
 
 # --- the replay buffer ----------------------------------------------------------------------
@@ -685,7 +710,7 @@ class EBT(LanguageModel):
     def think(self, idx: torch.Tensor, steps: int | None = None, best_of: int = 1,
               targets: torch.Tensor | None = None, last_only: bool = False,
               langevin_noise: bool | None = None, cache: DecodeCache | None = None,
-              candidate: torch.Tensor | None = None) -> ThinkOutput:
+              candidate: torch.Tensor | None = None, stop_tolerance: float | None = None) -> ThinkOutput:
         """Inference with `steps` descent steps (default n_steps; more is "thinking longer")
         from `best_of` seeded noise samples per position, keeping per position the sample with
         the lowest final energy. No training randomness; Langevin noise (seeded) if
@@ -693,7 +718,9 @@ class EBT(LanguageModel):
         each step (the eval "thinking curve"); `last_only` predicts only the last position; a
         decoding `cache` holding idx's tokens gives the observed stream of those it has run.
         `candidate` [best_of x B, R, V] (sample-major) replaces the seeded starting noise, e.g.
-        by noise that depends on the position only, so a row's result does not depend on its batch."""
+        by noise that depends on the position only, so a row's result does not depend on its batch.
+        `stop_tolerance` stops each position's descent once its energy settles (see
+        `EnergyDescent.forward`), and then `steps` is the most it may take."""
         steps = steps or self.config.n_steps
         B, T = idx.shape
         check_length(self.config, T)
@@ -706,7 +733,8 @@ class EBT(LanguageModel):
             (self.config.langevin_noise_std if langevin_noise else 0.0)
         with self.eval_noise_rng(noise_std, idx.device):
             result = self.descent(idx.repeat(best_of, 1), candidate, steps, targets=targets,
-                                  noise_std=noise_std, final_energy=True, cache=cache)
+                                  noise_std=noise_std, final_energy=True, cache=cache,
+                                  stop_tolerance=stop_tolerance)
         choice = result.energies[-1].view(best_of, B, rows).argmin(dim=0)  # [B, rows]
 
         def chosen(x: torch.Tensor, sample_dim: int) -> torch.Tensor:
@@ -719,8 +747,9 @@ class EBT(LanguageModel):
         if targets is not None:
             n_valid = (targets[:B] != -1).sum().clamp(min=1)
             loss_per_step = chosen(result.token_losses, 1).sum(dim=(1, 2)) / n_valid
+        steps_taken = None if result.steps_taken is None else chosen(result.steps_taken, 0)
         return ThinkOutput(F.log_softmax(chosen(result.candidate, 0), dim=-1), chosen(result.energies, 1),
-                           loss_per_step)
+                           loss_per_step, steps_taken)
 
     def next_token_logits(self, idx: torch.Tensor, cache: DecodeCache | None = None, steps: int | None = None,
                           best_of: int = 1) -> torch.Tensor:

@@ -1,0 +1,532 @@
+"""The descent measured: what happens inside the steps of a trained recurrent or energy-based
+model (the NRGPT and EBT papers' claims about it), on a split of its training data.
+
+    python -m pretrain.dynamics RUN_DIR|CHECKPOINT|EXPORT --out DIR [--batches N] [--split val]
+        [--batch-size B] [--tolerances 0,0.01,...] [--transient K] [--max-think-steps N]
+        [--data DATA_DIR] [--device cpu|cuda] [--dtype fp32|bf16]
+
+writes DIR/dynamics.json, DIR/dynamics.md and PNG figures (DIR is replaced whole, and only if it
+is empty or a previous output), and for a run or one of its checkpoints the same scalars and
+figures into the run's TensorBoard at the checkpoint's step (`dynamics/...`).
+
+- gpt_rec and nrgpt: the loss when reading out after each step (early exit at a fixed depth),
+  the mean relative update per step, and the loss of an exit per token once its relative update
+  falls under each tolerance; NRGPT also each token's own energy at every state (mean and
+  quartiles) and the share of tokens whose energy never rises after the first K steps.
+- ebt: the rank correlation of a token's final energy with its loss, the loss per decile of
+  final energy, the thinking curve up to --max-think-steps, and the loss of a descent that stops
+  per token once a step changes its energy by less than each tolerance (relative).
+
+The evaluated batches are those of the trainer's evaluation (the split in order, the run's
+micro-batch and eval.batches by default), so the loss after the last step is its val loss.
+Bad input is one line on stderr (`error: ...`) and exit status 2, with nothing written."""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import sys
+from dataclasses import dataclass
+from itertools import cycle, islice
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from common.cli import ArgumentParser, run_command
+from common.fileio import atomic_directory, atomic_write_text, markdown_table
+from pretrain.config import DataSection, EvalSection
+from pretrain.evaluate import _run_dir
+from pretrain.models.ebt import token_losses
+from pretrain.trained import DTYPES, TrainedModel, load_trained
+from pretrain.weights import LoadError
+
+RECURRENT = ("gpt_rec", "nrgpt")
+FAMILIES = (*RECURRENT, "ebt")
+DEFAULT_TOLERANCES = (0.0, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0)
+TRAJECTORY_SAMPLE = 48
+"""Tokens whose energy trajectories the NRGPT figure draws."""
+DECILES = 10
+REPORT = "dynamics.json"
+
+
+class DynamicsError(ValueError):
+    """Bad input to the dynamics command; the message is one line."""
+
+
+Batches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def evaluation_batches(data_dir: str, split: str, batch_size: int, batches: int, seed: int,
+                       device: torch.device) -> Batches:
+    """The first `batches` micro-batches of `split` in order, cycling a short split: the batches
+    the trainer's evaluation reads (`pretrain.evaluate.evaluate`)."""
+    from data_pipeline.loader import build_loader
+
+    loader = build_loader(data_dir, split, micro_batch_size=batch_size, seed=seed, shuffle=False,
+                          num_workers=0, repeat=False)
+    return [(inputs.to(device), targets.to(device)) for inputs, targets in islice(cycle(loader), batches)]
+
+
+# --- recurrent families ---------------------------------------------------------------------
+
+@contextlib.contextmanager
+def after_each_step(model: nn.Module, on_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]
+                    ) -> Iterator[None]:
+    """During the block, every application of the recurrent block (`model.block`, shared by
+    the steps of gpt_rec and NRGPT) calls on_step(state before, state after); a tensor it
+    returns replaces the state after. A forward hook: the models compute what they always do."""
+    def hook(module, args, output):
+        returned = isinstance(output, tuple)  # NRGPT's block returns (state, energies or None)
+        replaced = on_step(args[0], output[0] if returned else output)
+        if replaced is None:
+            return None
+        return (replaced, *output[1:]) if returned else replaced
+
+    handle = model.block.register_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def relative_update(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+    """[B, T] ||x_{s+1} - x_s|| / ||x_s|| per token, in float32 at least."""
+    wide = torch.promote_types(before.dtype, torch.float32)
+    return (after - before).to(wide).norm(dim=-1) / before.to(wide).norm(dim=-1)
+
+
+def readout_losses(model: nn.Module, state: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """[B, T] per-token loss of reading out `state` (final norm and LM head, as the forward)."""
+    return token_losses(model.lm_head(model.ln_f(state)), targets)
+
+
+@torch.no_grad()
+def fixed_depth(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One forward, read out after every step. Per token, [steps, B, T]: `losses` after steps
+    1..S, `updates` (relative update of steps 1..S); NRGPT also `energies` [S + 1, B, T], each
+    token's own energy at the states 0..S (the forward's per-step energies, of the states
+    entering each step, and the final state's). `loss`: the forward's own loss."""
+    states = []
+
+    def record(before: torch.Tensor, after: torch.Tensor) -> None:
+        states.extend([before, after] if not states else [after])
+
+    nrgpt = hasattr(model, "recurrence")
+    with after_each_step(model, record):
+        out = model(inputs, targets, return_energies=nrgpt)
+    measured = {"loss": out.loss,
+                "losses": torch.stack([readout_losses(model, state, targets) for state in states[1:]]),
+                "updates": torch.stack([relative_update(a, b) for a, b in zip(states, states[1:])])}
+    if nrgpt:
+        final = model.block.energy(model.block.norm(states[-1]))
+        measured["energies"] = torch.cat([out.diagnostics["_token_energy"], final.unsqueeze(0)])
+    return measured
+
+
+@torch.no_grad()
+def adaptive_exit(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+                  tolerance: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per-token loss [B, T], steps taken [B, T]) when each token exits after the step whose
+    relative update is under `tolerance` (every token takes at least one step). An exited
+    token's state stays as it was after its last step, and the steps it no longer takes still
+    recompute its keys from that frozen state, so later tokens keep attending to it; its stop
+    depends on its own updates only, and those on the tokens before it: nothing leaks back from
+    later positions. Tolerance 0 is the ordinary forward."""
+    exit_state: dict[str, torch.Tensor] = {}
+
+    def freeze(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+        if not exit_state:
+            exit_state["running"] = torch.ones(before.shape[:2], dtype=torch.bool, device=before.device)
+            exit_state["steps"] = torch.zeros(before.shape[:2], dtype=torch.long, device=before.device)
+        running = exit_state["running"]
+        exit_state["steps"] += running
+        exit_state["running"] = running & (relative_update(before, after) >= tolerance)
+        return torch.where(running.unsqueeze(-1), after, before)
+
+    with after_each_step(model, freeze):
+        logits = model(inputs).logits
+    return token_losses(logits, targets), exit_state["steps"]
+
+
+def quartile_rows(values: torch.Tensor, first: int, key: str) -> list[dict]:
+    """Per row of `values` [K, N] (row i named `key` first + i): mean and quartiles over N."""
+    quartiles = torch.quantile(values.double(), torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64), dim=1)
+    return [{key: first + i, "mean": float(row.double().mean()), "q25": float(q25), "median": float(q50),
+             "q75": float(q75)} for i, (row, q25, q50, q75) in enumerate(zip(values, *quartiles))]
+
+
+def monotone_fraction(energies: torch.Tensor, transient: int) -> float:
+    """Share of tokens (columns of `energies` [S + 1, N], states 0..S) whose energy never rises
+    from state `transient` on. A rise smaller than 64 float32 roundings of the token's largest
+    |energy| is rounding, not a rise."""
+    wide = energies.double()
+    slack = 64 * torch.finfo(torch.float32).eps * wide.abs().amax(dim=0)
+    rises = (wide[transient + 1:] - wide[transient:-1] > slack).any(dim=0)
+    return float(1 - rises.double().mean())
+
+
+def adaptive_row(tolerance: float, losses: list[torch.Tensor], steps: list[torch.Tensor]) -> dict:
+    steps_all = torch.cat(steps)
+    return {"tolerance": tolerance, "mean_steps": float(steps_all.double().mean()),
+            "max_steps": int(steps_all.max()), "loss": float(torch.cat(losses).double().mean())}
+
+
+def recurrent_dynamics(model: nn.Module, batches: Batches, tolerances: list[float], transient: int) -> dict:
+    """The report's measurements of a gpt_rec or NRGPT model on `batches` (see the module doc);
+    per-token figures over the tokens with a target (not -1)."""
+    per_token: dict[str, list[torch.Tensor]] = {}
+    adaptive: dict[float, tuple[list, list]] = {t: ([], []) for t in tolerances}
+    forward_losses = []
+    for inputs, targets in batches:
+        valid = targets != -1
+        measured = fixed_depth(model, inputs, targets)
+        forward_losses.append(float(measured.pop("loss")))
+        for name, values in measured.items():
+            per_token.setdefault(name, []).append(values[:, valid].float().cpu())
+        for tolerance in tolerances:
+            losses, steps = adaptive_exit(model, inputs, targets, tolerance)
+            adaptive[tolerance][0].append(losses[valid].cpu())
+            adaptive[tolerance][1].append(steps[valid].cpu())
+    tokens = {name: torch.cat(values, dim=1) for name, values in per_token.items()}
+    report = {"loss": float(np.mean(forward_losses)), "tokens": tokens["losses"].size(1),
+              "depth_curve": [{"steps": s + 1, "loss": float(row.double().mean())}
+                              for s, row in enumerate(tokens["losses"])],
+              "update_norm": [float(row.double().mean()) for row in tokens["updates"]],
+              "adaptive": [adaptive_row(t, *adaptive[t]) for t in tolerances]}
+    if "energies" in tokens:
+        report["energy_per_step"] = quartile_rows(tokens["energies"], 0, "state")
+        report["monotone_fraction"] = monotone_fraction(tokens["energies"], transient)
+        report["monotone_after_steps"] = transient
+        sample = torch.randperm(tokens["energies"].size(1), generator=torch.Generator().manual_seed(0))
+        report["_trajectories"] = tokens["energies"][:, sample[:TRAJECTORY_SAMPLE]]
+    return report
+
+
+# --- EBT --------------------------------------------------------------------------------------
+
+def ebt_dynamics(model: nn.Module, batches: Batches, tolerances: list[float], max_steps: int) -> dict:
+    """The report's measurements of an EBT on `batches` (see the module doc): at the trained
+    step count its final energies against its losses per token; the thinking curve up to
+    `max_steps`; per tolerance, the descent of at most `max_steps` that stops per token."""
+    from scipy.stats import spearmanr
+
+    energies, losses, forward_losses, curves = [], [], [], []
+    adaptive: dict[float, tuple[list, list]] = {t: ([], []) for t in tolerances}
+    for inputs, targets in batches:
+        valid = targets != -1
+        trained = model.think(inputs, targets=targets)
+        forward_losses.append(float(trained.loss_per_step[-1]))
+        energies.append(trained.energies[-1][valid].float().cpu())
+        losses.append(token_losses(trained.logits, targets)[valid].cpu())
+        curves.append(model.think(inputs, steps=max_steps, targets=targets).loss_per_step.double().cpu())
+        for tolerance in tolerances:
+            stopped = model.think(inputs, steps=max_steps, targets=targets, stop_tolerance=tolerance)
+            adaptive[tolerance][0].append(token_losses(stopped.logits, targets)[valid].cpu())
+            adaptive[tolerance][1].append(stopped.steps_taken[valid].cpu())
+    energy, loss = torch.cat(energies).numpy(), torch.cat(losses).double().numpy()
+    order = np.argsort(energy, kind="stable")
+    deciles = []
+    for number, chunk in enumerate(np.array_split(order, DECILES), start=1):
+        if chunk.size:
+            deciles.append({"decile": number, "energy_from": float(energy[chunk].min()),
+                            "energy_to": float(energy[chunk].max()), "loss": float(loss[chunk].mean()),
+                            "tokens": int(chunk.size)})
+    curve = torch.stack(curves).mean(dim=0)
+    return {"loss": float(np.mean(forward_losses)), "tokens": int(loss.size),
+            "n_steps": model.config.n_steps, "max_think_steps": max_steps,
+            "energy_loss_spearman": float(spearmanr(energy, loss).statistic),
+            "energy_deciles": deciles,
+            "thinking_curve": [{"steps": k + 1, "loss": float(x)} for k, x in enumerate(curve)],
+            "adaptive": [adaptive_row(t, *adaptive[t]) for t in tolerances],
+            "_energy_loss": (energy, loss)}
+
+
+# --- figures, TensorBoard, Markdown ----------------------------------------------------------
+
+def pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _step_axis(ax) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3, which="both")
+
+
+def _adaptive_points(ax, rows: list[dict]) -> None:
+    ax.scatter([r["mean_steps"] for r in rows], [r["loss"] for r in rows], color="C3", zorder=3,
+               label="exit per token (tolerance)")
+    for r in rows:
+        ax.annotate(f"{r['tolerance']:g}", (r["mean_steps"], r["loss"]), fontsize=7,
+                    xytext=(3, 3), textcoords="offset points")
+
+
+def recurrent_figures(report: dict, family: str) -> dict:
+    """File stem -> figure: depth curve (with the adaptive exits), update norms, and for NRGPT
+    the energy trajectories."""
+    plt = pyplot()
+    figures = {}
+    fig, ax = plt.subplots(figsize=(5, 3.6))
+    depth = report["depth_curve"]
+    ax.plot([r["steps"] for r in depth], [r["loss"] for r in depth], marker="o", label="read out after step s")
+    _adaptive_points(ax, report["adaptive"])
+    ax.set(xlabel="steps (mean steps for the per-token exit)", ylabel="loss", title=f"{family}: early exit")
+    _step_axis(ax)
+    ax.legend(fontsize=8)
+    figures["depth_curve"] = fig
+    fig, ax = plt.subplots(figsize=(5, 3.6))
+    steps = range(1, len(report["update_norm"]) + 1)
+    ax.plot(steps, report["update_norm"], marker="o")
+    ax.set(xlabel="step s", ylabel="mean ||x_s - x_(s-1)|| / ||x_(s-1)||", yscale="log",
+           title=f"{family}: relative update per step")
+    _step_axis(ax)
+    figures["update_norms"] = fig
+    if "energy_per_step" in report:
+        fig, ax = plt.subplots(figsize=(5, 3.6))
+        rows = report["energy_per_step"]
+        states = [r["state"] for r in rows]
+        ax.plot(states, report["_trajectories"].numpy(), color="0.6", linewidth=0.6, alpha=0.6)
+        ax.fill_between(states, [r["q25"] for r in rows], [r["q75"] for r in rows], color="C0", alpha=0.25,
+                        label="quartiles")
+        ax.plot(states, [r["mean"] for r in rows], color="C0", linewidth=2, label="mean")
+        ax.set(xlabel="state s (after s steps)", ylabel="token's own energy",
+               title=f"nrgpt: energies ({report['monotone_fraction']:.0%} monotone after step "
+                     f"{report['monotone_after_steps']})")
+        _step_axis(ax)
+        ax.legend(fontsize=8)
+        figures["energy_trajectories"] = fig
+    return figures
+
+
+def ebt_figures(report: dict) -> dict:
+    """File stem -> figure: final energy against loss (hexbin); the adaptive descent against the
+    thinking curve, and its loss and steps per tolerance."""
+    plt = pyplot()
+    energy, loss = report["_energy_loss"]
+    fig, ax = plt.subplots(figsize=(5, 3.8))
+    cells = ax.hexbin(energy, loss, gridsize=40, mincnt=1, bins="log", cmap="viridis")
+    fig.colorbar(cells, ax=ax, label="tokens")
+    ax.set(xlabel=f"final energy (after {report['n_steps']} steps)", ylabel="token loss",
+           title=f"ebt: energy vs loss (Spearman {report['energy_loss_spearman']:.3f})")
+    figures = {"energy_vs_loss": fig}
+    fig, (ax_steps, ax_tol) = plt.subplots(1, 2, figsize=(10, 3.6))
+    curve = report["thinking_curve"]
+    ax_steps.plot([r["steps"] for r in curve], [r["loss"] for r in curve], marker="o", label="fixed steps")
+    ax_steps.axvline(report["n_steps"], color="0.5", linestyle=":", label="trained steps")
+    _adaptive_points(ax_steps, report["adaptive"])
+    ax_steps.set(xlabel="steps (mean steps for the per-token stop)", ylabel="loss", title="ebt: thinking")
+    _step_axis(ax_steps)
+    ax_steps.legend(fontsize=8)
+    rows = report["adaptive"]
+    positions = range(len(rows))
+    ax_tol.plot(positions, [r["loss"] for r in rows], marker="o", color="C0")
+    ax_tol.set(xlabel="tolerance (relative energy change)", ylabel="loss", title="ebt: stop per token")
+    ax_tol.set_xticks(list(positions), [f"{r['tolerance']:g}" for r in rows], fontsize=7)
+    ax_tol.grid(alpha=0.3)
+    ax_mean = ax_tol.twinx()
+    ax_mean.plot(positions, [r["mean_steps"] for r in rows], marker="s", color="C1")
+    ax_mean.set_ylabel("mean steps", color="C1")
+    fig.tight_layout()
+    figures["adaptive"] = fig
+    return figures
+
+
+def scalars(report: dict) -> dict[str, float]:
+    """The report's figures as TensorBoard tags `dynamics/...` (curves as one tag per step, like
+    the models' per-step diagnostics)."""
+    values = {"dynamics/loss": report["loss"]}
+    for row in report.get("depth_curve", []):
+        values[f"dynamics/depth_loss/step_{row['steps']:02d}"] = row["loss"]
+    for s, value in enumerate(report.get("update_norm", []), start=1):
+        values[f"dynamics/update_norm/step_{s:02d}"] = value
+    for row in report.get("energy_per_step", []):
+        for stat in ("mean", "q25", "median", "q75"):
+            values[f"dynamics/energy_{stat}/step_{row['state']:02d}"] = row[stat]
+    for row in report.get("thinking_curve", []):
+        values[f"dynamics/think_loss/step_{row['steps']:02d}"] = row["loss"]
+    for row in report.get("energy_deciles", []):
+        values[f"dynamics/energy_decile_loss/decile_{row['decile']:02d}"] = row["loss"]
+    for key in ("monotone_fraction", "energy_loss_spearman"):
+        if key in report:
+            values[f"dynamics/{key}"] = report[key]
+    for row in report["adaptive"]:
+        for stat in ("loss", "mean_steps"):
+            values[f"dynamics/adaptive/tol_{row['tolerance']:g}/{stat}"] = row[stat]
+    return values
+
+
+def write_tensorboard(run_dir: Path, step: int, values: dict[str, float], images: dict[str, Path]) -> None:
+    import matplotlib.image
+    from torch.utils.tensorboard import SummaryWriter
+
+    with SummaryWriter(str(run_dir / "tb")) as writer:
+        for tag, value in values.items():
+            writer.add_scalar(tag, value, step)
+        for name, path in images.items():
+            writer.add_image(f"dynamics/{name}", matplotlib.image.imread(path)[..., :3], step, dataformats="HWC")
+
+
+def markdown(report: dict, figure_names: list[str]) -> str:
+    lines = [f"# Descent dynamics of {report['flavor']} at step {report['step']}", "",
+             f"Source `{report['source']}`; {report['tokens']} {report['split']} tokens "
+             f"({report['batches']} batches of {report['batch_size']}); loss {report['loss']:.4f}.", ""]
+    if "depth_curve" in report:
+        lines += ["Loss when reading out after step s, and mean relative update of step s:", "",
+                  markdown_table([{"steps": r["steps"], "loss": r["loss"], "update_norm": u}
+                                  for r, u in zip(report["depth_curve"], report["update_norm"])],
+                                 {"loss": ".4f", "update_norm": ".4g"})]
+    if "energy_per_step" in report:
+        lines += ["Each token's own energy at state s (after s steps); "
+                  f"{report['monotone_fraction']:.1%} of the tokens never rise after step "
+                  f"{report['monotone_after_steps']}:", "",
+                  markdown_table(report["energy_per_step"], {k: ".4g" for k in ("mean", "q25", "median", "q75")})]
+    if "thinking_curve" in report:
+        lines += [f"Trained with {report['n_steps']} steps. Spearman correlation of final energy and token "
+                  f"loss: {report['energy_loss_spearman']:.3f}. Loss per decile of final energy:", "",
+                  markdown_table(report["energy_deciles"], {"energy_from": ".4g", "energy_to": ".4g", "loss": ".4f"}),
+                  "Thinking curve (loss after k steps):", "",
+                  markdown_table(report["thinking_curve"], {"loss": ".4f"})]
+    criterion = "relative update" if "depth_curve" in report else "relative energy change"
+    lines += [f"Exit per token once its {criterion} is under the tolerance:", "",
+              markdown_table(report["adaptive"], {"tolerance": "g", "mean_steps": ".2f", "loss": ".4f"})]
+    lines += [f"![{name}]({name}.png)" for name in figure_names]
+    return "\n".join(lines) + "\n"
+
+
+# --- the command ------------------------------------------------------------------------------
+
+@dataclass
+class Settings:
+    """What the command measures, resolved from its options and the run's config."""
+
+    data_dir: str
+    split: str
+    batch_size: int
+    batches: int
+    seed: int
+    tolerances: list[float]
+    transient: int
+    max_think_steps: int | None
+
+
+def tolerance_list(text: str) -> list[float]:
+    try:
+        values = [float(part) for part in text.split(",")]
+    except ValueError:
+        raise DynamicsError(f"--tolerances {text!r}: expected numbers separated by commas, e.g. 0,0.01,0.1") from None
+    if any(not math.isfinite(v) or v < 0 for v in values):
+        raise DynamicsError(f"--tolerances {text!r}: each tolerance must be a finite number >= 0")
+    return values
+
+
+def check_out(out: Path) -> None:
+    """The output directory is replaced whole: only an empty one or a previous output may be."""
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / REPORT).is_file())):
+        raise DynamicsError(f"--out {out} exists and is not an empty directory or a previous output of "
+                            "this command (which it replaces whole); choose a new directory")
+
+
+def resolve_settings(args, trained: TrainedModel) -> Settings:
+    """The options, with the run's data, micro-batch and eval batches where not given."""
+    run_config = trained.run_config
+    data, evaluation = run_config.get("data", {}), run_config.get("eval", {})
+    data_dir = args.data or data.get("path")
+    if not data_dir or not (Path(data_dir) / "manifest.json").is_file():
+        raise DynamicsError(f"the run's data ({data_dir or 'not recorded'}) is not there: give --data DIR, "
+                            "a dataset prepared with the run's tokenizer and sequence length")
+    settings = Settings(data_dir=str(data_dir), split=args.split,
+                        batch_size=args.batch_size or data.get("micro_batch_size", DataSection.micro_batch_size),
+                        batches=args.batches or evaluation.get("batches", EvalSection.batches),
+                        seed=run_config.get("seed", 0), tolerances=tolerance_list(args.tolerances),
+                        transient=args.transient, max_think_steps=None)
+    for name in ("batches", "batch_size", "max_think_steps"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise DynamicsError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if trained.family not in FAMILIES:
+        raise DynamicsError(f"{args.source} is a {trained.family} model: the descent dynamics apply to "
+                            f"{', '.join(FAMILIES)}")
+    n_steps = trained.model_config.n_steps
+    if trained.family == "ebt":
+        settings.max_think_steps = args.max_think_steps or 4 * n_steps
+    elif args.max_think_steps is not None:
+        raise DynamicsError("--max-think-steps applies to EBT models only")
+    if trained.family == "nrgpt" and not 0 <= args.transient < n_steps:
+        raise DynamicsError(f"--transient must be in [0, {n_steps - 1}] (the model takes {n_steps} steps), "
+                            f"got {args.transient}")
+    return settings
+
+
+def measure(trained: TrainedModel, settings: Settings, device: torch.device) -> dict:
+    """The report (before its figures): the source, the settings and the family's measurements."""
+    batches = evaluation_batches(settings.data_dir, settings.split, settings.batch_size, settings.batches,
+                                 settings.seed, device)
+    if trained.family == "ebt":
+        measured = ebt_dynamics(trained.model, batches, settings.tolerances, settings.max_think_steps)
+    else:
+        measured = recurrent_dynamics(trained.model, batches, settings.tolerances, settings.transient)
+    return {"source": str(trained.source), "flavor": trained.flavor, "family": trained.family,
+            "step": trained.step, "data": settings.data_dir, "split": settings.split,
+            "batches": settings.batches, "batch_size": settings.batch_size, **measured}
+
+
+def dynamics(args) -> Path:
+    out = Path(args.out)
+    check_out(out)
+    tolerance_list(args.tolerances)  # before loading anything
+    trained = load_trained(args.source, device=args.device, dtype=args.dtype)
+    settings = resolve_settings(args, trained)
+    report = measure(trained, settings, torch.device(args.device))
+    figures = recurrent_figures(report, trained.family) if trained.family in RECURRENT else ebt_figures(report)
+    plt = pyplot()
+    with atomic_directory(out) as staging:
+        for name, figure in figures.items():
+            figure.savefig(staging / f"{name}.png", dpi=110, bbox_inches="tight")
+            plt.close(figure)
+        public = {key: value for key, value in report.items() if not key.startswith("_")}
+        atomic_write_text(staging / REPORT, json.dumps(public, indent=2) + "\n")
+        atomic_write_text(staging / "dynamics.md", markdown(public, list(figures)))
+    run_dir = _run_dir(trained.source)
+    if run_dir is not None:
+        write_tensorboard(run_dir, trained.step, scalars(public), {name: out / f"{name}.png" for name in figures})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = ArgumentParser(prog="python -m pretrain.dynamics", description=__doc__.split("\n\n")[0])
+    parser.add_argument("source", help="run directory (its newest complete checkpoint), one checkpoint, or an export")
+    parser.add_argument("--out", required=True, help="output directory (replaced whole: new, empty or a previous output)")
+    parser.add_argument("--split", default="val", help="split of the dataset to evaluate on (default val)")
+    parser.add_argument("--batches", type=int, help="micro-batches to evaluate (default: the run's eval.batches)")
+    parser.add_argument("--batch-size", type=int, help="sequences per batch (default: the run's data.micro_batch_size)")
+    parser.add_argument("--data", help="prepared dataset to read (default: the run's data.path)")
+    parser.add_argument("--tolerances", default=",".join(f"{t:g}" for t in DEFAULT_TOLERANCES),
+                        help="exit tolerances, comma-separated (relative update; EBT: relative energy change)")
+    parser.add_argument("--transient", type=int, default=1,
+                        help="NRGPT: steps before which the energy may rise (monotone fraction); default 1")
+    parser.add_argument("--max-think-steps", type=int, help="EBT: most descent steps (default 4 x the trained ones)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32")
+    args = parser.parse_args(argv)
+    from data_pipeline.errors import DataError
+
+    try:
+        out = dynamics(args)
+    except (DynamicsError, LoadError, DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"dynamics: {out / REPORT}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    run_command(main)
