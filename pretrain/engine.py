@@ -163,7 +163,8 @@ def keep_freed_host_memory() -> None:
     By default every block over 32 MB is mmapped and unmapped again when freed, so a CPU
     step's large tensors (the logits of a 50k vocabulary are 100 MB at 512 tokens) arrive as
     fresh pages each time: at the tiny widths page faults were 40% of a step's CPU time. For
-    CPU work only: the process keeps its peak host memory instead. No-op where the C library has no `mallopt` (not glibc)."""
+    CPU work only: the process keeps its peak host memory instead. No-op where the C library has
+    no `mallopt` (not glibc)."""
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
     if mallopt is None:
         return

@@ -299,7 +299,8 @@ class Trainer:
         skipped_by_fault = nonfinite_total > 0 or (not applied and self.precision != "fp16")
         result = StepResult(loss=mean_loss, nonfinite=skipped_by_fault, spike=self.spikes.settle(), lr=lr, lrs=lrs,
                             time_s=time.perf_counter() - start, data_wait_s=data_wait, tokens=cfg.tokens_per_step,
-                            grad_norm=None if grad_norm is None else float(grad_norm), diagnostics=diagnostics, stop=stop > 0)
+                            grad_norm=None if grad_norm is None else float(grad_norm), diagnostics=diagnostics,
+                            stop=stop > 0)
         self.throughput.add(result)
         return result
 
