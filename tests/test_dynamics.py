@@ -1,0 +1,206 @@
+"""`python -m pretrain.dynamics`: the descent measured on tiny trained runs of each family (in this
+process, see `trainer_runs.train_here`), and its per-token exits on models built here.
+
+The report's last depth point is the trainer's own val loss; NRGPT's energies descend
+monotonically in the case of the paper's Proposition 2.1 (eta = c diag(gamma), small c); a
+per-token exit at tolerance 0 is the fixed-step model and at a huge tolerance one step; and a
+token's exit depends on nothing after it."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import trainer_runs as runs
+from numerics import assert_rounding_close
+from pretrain.dynamics import adaptive_exit, fixed_depth, recurrent_dynamics
+from pretrain.models import build, resolve
+from pretrain.models.ebt import token_losses
+
+STEPS = 4
+FLAVORS = {"nrgpt": "nrgpt-tiny", "gpt_rec": "gpt_rec-tiny", "ebt": "ebt-tiny"}
+TOLERANCES = "0,0.01,0.1,1e9"
+HUGE = 1e9
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    """family -> (run name, report) of a tiny run trained for STEPS steps (evaluated at the end)
+    and the dynamics command on it."""
+    out = tmp_path_factory.mktemp("dynamics")
+    results = {}
+    for family, flavor in FLAVORS.items():
+        name = f"dynamics-{family}"
+        trained = runs.train_here([f"model.flavor={flavor}", f"run_name={name}", "zero.stage=0",
+                                   f"train.max_steps={STEPS}", f"eval.interval={STEPS}", f"checkpoint.interval={STEPS}"])
+        assert trained.returncode == 0, trained.stderr[-3000:]
+        command = runs.command_here("pretrain.dynamics", [str(runs.run_dir(name)), "--out", str(out / family),
+                                                          "--tolerances", TOLERANCES])
+        assert command.returncode == 0, command.stderr[-3000:]
+        results[family] = (name, out / family, json.loads((out / family / "dynamics.json").read_text()))
+    return results
+
+
+def check_adaptive(report: dict, fixed_losses: list[float], most_steps: int) -> None:
+    """Rows per tolerance; tolerance 0 is the fixed-step model at its most steps, a huge one is
+    one step; mean steps fall as the tolerance grows."""
+    rows = {row["tolerance"]: row for row in report["adaptive"]}
+    assert list(rows) == [float(t) for t in TOLERANCES.split(",")]
+    assert rows[0.0]["mean_steps"] == rows[0.0]["max_steps"] == most_steps
+    assert_rounding_close(torch.tensor(rows[0.0]["loss"]), torch.tensor(fixed_losses[-1]))
+    assert rows[HUGE]["mean_steps"] == rows[HUGE]["max_steps"] == 1
+    assert_rounding_close(torch.tensor(rows[HUGE]["loss"]), torch.tensor(fixed_losses[0]))
+    means = [row["mean_steps"] for row in report["adaptive"]]
+    assert means == sorted(means, reverse=True) and all(1 <= m <= most_steps for m in means)
+
+
+def check_outputs(name: str, out, report: dict, figures: list[str]) -> None:
+    """The trainer's val loss equals the report's; PNGs, Markdown; scalars and figures in the
+    run's TensorBoard at the checkpoint's step."""
+    assert report["step"] == STEPS and report["split"] == "val" and report["tokens"] == 2 * 2 * 32
+    val_loss = runs.scalars(name, "eval/loss")[STEPS]
+    assert_rounding_close(torch.tensor(report["loss"]), torch.tensor(val_loss))
+    for figure in figures:
+        assert (out / f"{figure}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| tolerance |" in (out / "dynamics.md").read_text()
+    events = EventAccumulator(str(runs.run_dir(name) / "tb"), size_guidance={"images": 0}).Reload()
+    assert {f"dynamics/{figure}" for figure in figures} <= set(events.Tags()["images"])
+    assert runs.scalars(name, "dynamics/loss") == {STEPS: pytest.approx(report["loss"])}
+
+
+@pytest.mark.parametrize("family", ["nrgpt", "gpt_rec"])
+def test_recurrent_report(reports, family):
+    name, out, report = reports[family]
+    n_steps = resolve(FLAVORS[family], {}).n_steps
+    depth = [row["loss"] for row in report["depth_curve"]]
+    assert [row["steps"] for row in report["depth_curve"]] == list(range(1, n_steps + 1))
+    # the last readout is the model's prediction: its loss is the trainer's val loss
+    assert_rounding_close(torch.tensor(depth[-1]), torch.tensor(report["loss"]))
+    assert len(report["update_norm"]) == n_steps and all(0 < u < 100 for u in report["update_norm"])
+    check_adaptive(report, depth, n_steps)
+    figures = ["depth_curve", "update_norms"]
+    if family == "nrgpt":
+        energies = report["energy_per_step"]
+        assert [row["state"] for row in energies] == list(range(n_steps + 1))
+        assert all(row["q25"] <= row["median"] <= row["q75"] for row in energies)
+        assert 0 <= report["monotone_fraction"] <= 1 and report["monotone_after_steps"] == 1
+        figures.append("energy_trajectories")
+    else:
+        assert "energy_per_step" not in report
+    check_outputs(name, out, report, figures)
+    assert runs.scalars(name, f"dynamics/depth_loss/step_{n_steps:02d}") == {STEPS: pytest.approx(depth[-1])}
+
+
+def test_ebt_report(reports):
+    name, out, report = reports["ebt"]
+    n_steps = resolve("ebt-tiny", {}).n_steps
+    assert report["n_steps"] == n_steps and report["max_think_steps"] == 4 * n_steps
+    curve = [row["loss"] for row in report["thinking_curve"]]
+    assert len(curve) == 4 * n_steps
+    # the thinking curve at the trained steps is the model's eval loss
+    assert_rounding_close(torch.tensor(curve[n_steps - 1]), torch.tensor(report["loss"]))
+    assert -1 <= report["energy_loss_spearman"] <= 1
+    deciles = report["energy_deciles"]
+    assert [row["decile"] for row in deciles] == list(range(1, 11))
+    assert sum(row["tokens"] for row in deciles) == report["tokens"]
+    assert all(a["energy_to"] <= b["energy_from"] for a, b in zip(deciles, deciles[1:]))
+    check_adaptive(report, curve, 4 * n_steps)
+    check_outputs(name, out, report, ["energy_vs_loss", "adaptive"])
+
+
+def proposition_model(scale: float):
+    """An NRGPT in the case of Proposition 2.1: exact gradients, eta = c diag(gamma) with gamma
+    learnable (here drawn in [0.5, 2]), weights large enough for a visible landscape."""
+    torch.manual_seed(0)
+    model = build(resolve("nrgpt-tiny", {"grad_mode": "exact", "eta": "diag_gamma", "learnable_gamma": True,
+                                         "eta_init": scale, "n_steps": 8, "init_std": 0.3})).eval()
+    with torch.no_grad():
+        model.block.norm.weight.uniform_(0.5, 2.0, generator=torch.Generator().manual_seed(1))
+    return model
+
+
+def test_monotone_fraction_is_one_in_the_propositions_case():
+    """Single-token sequences (each token's energy is its own alone): every token's energy
+    descends at every step for a small c, and not for a large one."""
+    idx = torch.randint(0, 512, (64, 1), generator=torch.Generator().manual_seed(1))
+    small = recurrent_dynamics(proposition_model(0.01), [(idx, idx)], [0.0], transient=0)
+    assert small["monotone_fraction"] == 1.0
+    means = [row["mean"] for row in small["energy_per_step"]]
+    assert means == sorted(means, reverse=True) and means[-1] < means[0]
+    large = recurrent_dynamics(proposition_model(10.0), [(idx, idx)], [0.0], transient=0)
+    assert large["monotone_fraction"] < 1.0
+
+
+def changed_later(model, length: int = 20, at: int = 12):
+    """Two batches that differ from position `at` on only."""
+    idx = torch.randint(0, model.config.vocab_size, (3, length), generator=torch.Generator().manual_seed(5))
+    other = idx.clone()
+    other[:, at] = (other[:, at] + 1) % model.config.vocab_size
+    return idx, other, at
+
+
+@pytest.mark.parametrize("flavor", ["nrgpt-tiny", "gpt_rec-tiny"])
+def test_recurrent_exit_has_no_leakage(flavor):
+    """A token's exit step and loss depend on nothing after it, at a tolerance where the exit
+    steps differ between tokens; and tolerance 0 is the plain forward."""
+    torch.manual_seed(0)
+    model = build(resolve(flavor, {"n_steps": 6})).eval()
+    idx, other, at = changed_later(model)
+    updates = fixed_depth(model, idx, idx)["updates"]
+    tolerance = float(updates.median())
+    losses, steps = adaptive_exit(model, idx, idx, tolerance)
+    other_losses, other_steps = adaptive_exit(model, other, idx, tolerance)
+    assert len(steps.unique()) > 1
+    assert torch.equal(steps[:, :at], other_steps[:, :at])
+    assert_rounding_close(other_losses[:, :at], losses[:, :at])
+    assert not torch.equal(other_losses[:, at:], losses[:, at:])
+    plain, plain_steps = adaptive_exit(model, idx, idx, 0.0)
+    assert torch.equal(plain, token_losses(model(idx).logits, idx))
+    assert (plain_steps == 6).all()
+
+
+def test_ebt_stop_has_no_leakage_and_its_limits():
+    """EBT's per-position stop: positions before a changed token keep their steps and
+    predictions; a position stopped after k steps predicts as the k-step descent; tolerance 0
+    is the fixed-step descent exactly, a huge one stops after one."""
+    torch.manual_seed(0)
+    model = build(resolve("ebt-tiny", {})).eval()
+    idx, other, at = changed_later(model)
+    stopped = model.think(idx, steps=6, stop_tolerance=0.05)
+    other_stopped = model.think(other, steps=6, stop_tolerance=0.05)
+    assert len(stopped.steps_taken.unique()) > 1
+    assert torch.equal(stopped.steps_taken[:, :at], other_stopped.steps_taken[:, :at])
+    assert_rounding_close(other_stopped.logits[:, :at], stopped.logits[:, :at])
+    for k in stopped.steps_taken.unique().tolist():  # a stopped position predicts as k steps do
+        where = stopped.steps_taken == k
+        assert_rounding_close(stopped.logits[where], model.think(idx, steps=k).logits[where])
+    fixed = model.think(idx, steps=6, targets=idx)
+    zero = model.think(idx, steps=6, targets=idx, stop_tolerance=0.0)
+    assert torch.equal(zero.logits, fixed.logits) and torch.equal(zero.loss_per_step, fixed.loss_per_step)
+    assert (zero.steps_taken == 6).all()
+    huge = model.think(idx, steps=6, targets=idx, stop_tolerance=HUGE)
+    assert (huge.steps_taken == 1).all()
+    assert torch.equal(huge.logits, model.think(idx, steps=1).logits)
+
+
+def test_bad_input_is_one_line_and_writes_nothing(reports, tmp_path):
+    name = reports["nrgpt"][0]
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    cases = [([str(tmp_path / "nothing-here")], "no such run directory"),
+             (["--tolerances", "0,-1"], "--tolerances"),
+             (["--split", "nosuch"], "no split 'nosuch'"),
+             (["--transient", "3"], "--transient must be in [0, 2]"),
+             (["--max-think-steps", "4"], "EBT models only")]
+    for extra, message in cases:
+        source = [] if extra[0].startswith("/") else [str(runs.run_dir(name))]
+        result = runs.command_here("pretrain.dynamics", [*source, *extra, "--out", str(tmp_path / "out")])
+        assert result.returncode == 2, (extra, result.stderr)
+        assert result.stderr.startswith("error: ") and message in result.stderr and result.stderr.count("\n") == 1
+        assert not (tmp_path / "out").exists()
+    result = runs.command_here("pretrain.dynamics", [str(runs.run_dir(name)), "--out", str(foreign)])
+    assert result.returncode == 2 and "not an empty directory" in result.stderr
+    assert [p.name for p in foreign.iterdir()] == ["notes.txt"]
