@@ -39,7 +39,7 @@ from common.cli import ArgumentParser, run_command
 from common.fileio import atomic_directory, atomic_write_text, markdown_table
 from pretrain.config import DataSection, EvalSection
 from pretrain.evaluate import _run_dir
-from pretrain.models.ebt import token_losses
+from pretrain.models.ebt import energy_settled, token_losses
 from pretrain.trained import DTYPES, TrainedModel, load_trained
 from pretrain.weights import LoadError
 
@@ -207,10 +207,20 @@ def recurrent_dynamics(model: nn.Module, batches: Batches, tolerances: list[floa
 
 # --- EBT --------------------------------------------------------------------------------------
 
+def stopped_steps(entering: torch.Tensor, tolerance: float) -> torch.Tensor:
+    """[B, R] steps each position takes in a descent that stops it once its energy settles
+    (`EBT.think` with stop_tolerance), from the energies [S, B, R] entering each step of the
+    fixed S-step descent: EBT's positions never see each other's candidates, so a position's
+    stopped descent is its fixed-step trajectory cut at its first settled step."""
+    settled = energy_settled(entering[:-1], entering[1:], tolerance)  # after steps 1..S-1
+    return torch.where(settled.any(dim=0), settled.int().argmax(dim=0) + 1, entering.size(0))
+
+
 def ebt_dynamics(model: nn.Module, batches: Batches, tolerances: list[float], max_steps: int) -> dict:
     """The report's measurements of an EBT on `batches` (see the module doc): at the trained
     step count its final energies against its losses per token; the thinking curve up to
-    `max_steps`; per tolerance, the descent of at most `max_steps` that stops per token."""
+    `max_steps`; per tolerance, the descent of at most `max_steps` that stops per token (read
+    off the fixed descent's per-token energies and losses: one descent for every tolerance)."""
     from scipy.stats import spearmanr
 
     energies, losses, forward_losses, curves = [], [], [], []
@@ -221,11 +231,13 @@ def ebt_dynamics(model: nn.Module, batches: Batches, tolerances: list[float], ma
         forward_losses.append(float(trained.loss_per_step[-1]))
         energies.append(trained.energies[-1][valid].float().cpu())
         losses.append(token_losses(trained.logits, targets)[valid].cpu())
-        curves.append(model.think(inputs, steps=max_steps, targets=targets).loss_per_step.double().cpu())
+        longest = model.think(inputs, steps=max_steps, targets=targets)
+        curves.append(longest.loss_per_step.double().cpu())
         for tolerance in tolerances:
-            stopped = model.think(inputs, steps=max_steps, targets=targets, stop_tolerance=tolerance)
-            adaptive[tolerance][0].append(token_losses(stopped.logits, targets)[valid].cpu())
-            adaptive[tolerance][1].append(stopped.steps_taken[valid].cpu())
+            steps = stopped_steps(longest.energies[:max_steps], tolerance)
+            stopped_losses = longest.token_losses.gather(0, (steps - 1).unsqueeze(0)).squeeze(0)
+            adaptive[tolerance][0].append(stopped_losses[valid].cpu())
+            adaptive[tolerance][1].append(steps[valid].cpu())
     energy, loss = torch.cat(energies).numpy(), torch.cat(losses).double().numpy()
     order = np.argsort(energy, kind="stable")
     deciles = []

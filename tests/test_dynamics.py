@@ -15,7 +15,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import trainer_runs as runs
 from numerics import assert_rounding_close
-from pretrain.dynamics import adaptive_exit, fixed_depth, recurrent_dynamics
+from pretrain.dynamics import adaptive_exit, fixed_depth, recurrent_dynamics, stopped_steps
 from pretrain.models import build, resolve
 from pretrain.models.ebt import token_losses
 
@@ -163,12 +163,13 @@ def test_recurrent_exit_has_no_leakage(flavor):
 
 def test_ebt_stop_has_no_leakage_and_its_limits():
     """EBT's per-position stop: positions before a changed token keep their steps and
-    predictions; a position stopped after k steps predicts as the k-step descent; tolerance 0
-    is the fixed-step descent exactly, a huge one stops after one."""
+    predictions; a position stopped after k steps predicts as the k-step descent, and as the
+    command reads it off the fixed descent; tolerance 0 is the fixed-step descent exactly, a
+    huge one stops after one."""
     torch.manual_seed(0)
     model = build(resolve("ebt-tiny", {})).eval()
     idx, other, at = changed_later(model)
-    stopped = model.think(idx, steps=6, stop_tolerance=0.05)
+    stopped = model.think(idx, steps=6, targets=idx, stop_tolerance=0.05)
     other_stopped = model.think(other, steps=6, stop_tolerance=0.05)
     assert len(stopped.steps_taken.unique()) > 1
     assert torch.equal(stopped.steps_taken[:, :at], other_stopped.steps_taken[:, :at])
@@ -177,6 +178,10 @@ def test_ebt_stop_has_no_leakage_and_its_limits():
         where = stopped.steps_taken == k
         assert_rounding_close(stopped.logits[where], model.think(idx, steps=k).logits[where])
     fixed = model.think(idx, steps=6, targets=idx)
+    # the command reads every tolerance's stops off the fixed descent: the same steps and losses
+    steps = stopped_steps(fixed.energies[:6], 0.05)
+    assert torch.equal(steps, stopped.steps_taken)
+    assert_rounding_close(fixed.token_losses.gather(0, steps.unsqueeze(0) - 1)[0], stopped.token_losses[-1])
     zero = model.think(idx, steps=6, targets=idx, stop_tolerance=0.0)
     assert torch.equal(zero.logits, fixed.logits) and torch.equal(zero.loss_per_step, fixed.loss_per_step)
     assert (zero.steps_taken == 6).all()

@@ -193,6 +193,12 @@ def stream_attention(stream: str) -> Callable:
     raise ValueError(f"unknown EBT attention stream {stream!r}: 'observed' or 'predicted'")
 
 
+def energy_settled(before: torch.Tensor, after: torch.Tensor, tolerance: float) -> torch.Tensor:
+    """Where a descent step changed the energy by less than `tolerance` times the energy before
+    it (the per-position stop of `EnergyDescent.forward`)."""
+    return (after - before).abs() < tolerance * before.abs()
+
+
 def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Per-token cross entropy [B, R] in at least float32; ignored targets (-1) give 0."""
     wide = torch.promote_types(logits.dtype, torch.float32)
@@ -392,8 +398,7 @@ class EnergyDescent(nn.Module):
                 else:
                     y_next, energy, step_losses = self.step(y, step_observed, targets, alpha, settings)
                     if descending is not None and t > 0:
-                        change = (energy - energies[-1]).abs()
-                        settled = descending & (change < stop_tolerance * energies[-1].abs())
+                        settled = descending & energy_settled(energies[-1], energy, stop_tolerance)
                         steps_taken = torch.where(settled, t, steps_taken)
                         descending = descending & ~settled
                         if not descending.any():
@@ -429,6 +434,8 @@ class ThinkOutput(NamedTuple):
     """[steps] mean cross entropy after 1..steps steps (chosen samples), given targets."""
     steps_taken: torch.Tensor | None = None
     """[B, R] descent steps each position took (chosen samples), with a `stop_tolerance`."""
+    token_losses: torch.Tensor | None = None
+    """[steps, B, R] cross entropy per position after each step (chosen samples), given targets."""
 
 
 # --- the replay buffer ----------------------------------------------------------------------
@@ -743,13 +750,14 @@ class EBT(LanguageModel):
             index = choice.view((1,) * (sample_dim + 1) + choice.shape + (1,) * (x.dim() - sample_dim - 3))
             return torch.take_along_dim(x, index, dim=sample_dim).squeeze(sample_dim)
 
-        loss_per_step = None
+        loss_per_step = per_token = None
         if targets is not None:
             n_valid = (targets[:B] != -1).sum().clamp(min=1)
-            loss_per_step = chosen(result.token_losses, 1).sum(dim=(1, 2)) / n_valid
+            per_token = chosen(result.token_losses, 1)
+            loss_per_step = per_token.sum(dim=(1, 2)) / n_valid
         steps_taken = None if result.steps_taken is None else chosen(result.steps_taken, 0)
         return ThinkOutput(F.log_softmax(chosen(result.candidate, 0), dim=-1), chosen(result.energies, 1),
-                           loss_per_step, steps_taken)
+                           loss_per_step, steps_taken, per_token)
 
     def next_token_logits(self, idx: torch.Tensor, cache: DecodeCache | None = None, steps: int | None = None,
                           best_of: int = 1) -> torch.Tensor:
