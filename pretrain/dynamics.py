@@ -440,15 +440,25 @@ def tolerance_list(text: str) -> list[float]:
     return values
 
 
-def check_out(out: Path) -> None:
-    """The output directory is replaced whole: only an empty one or a previous output may be."""
+def check_options(args) -> list[float]:
+    """The options' ranges, before anything is loaded; the tolerances."""
+    out = Path(args.out)
+    # the output directory is replaced whole: only an empty one or a previous output may be
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / REPORT).is_file())):
         raise DynamicsError(f"--out {out} exists and is not an empty directory or a previous output of "
                             "this command (which it replaces whole); choose a new directory")
+    for name in ("batches", "batch_size", "max_think_steps"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise DynamicsError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    return tolerance_list(args.tolerances)
 
 
-def resolve_settings(args, trained: TrainedModel) -> Settings:
+def resolve_settings(args, trained: TrainedModel, tolerances: list[float]) -> Settings:
     """The options, with the run's data, micro-batch and eval batches where not given."""
+    if trained.family not in FAMILIES:
+        raise DynamicsError(f"{args.source} is a {trained.family} model: the descent dynamics apply to "
+                            f"{', '.join(FAMILIES)}")
     run_config = trained.run_config
     data, evaluation = run_config.get("data", {}), run_config.get("eval", {})
     data_dir = args.data or data.get("path")
@@ -458,15 +468,8 @@ def resolve_settings(args, trained: TrainedModel) -> Settings:
     settings = Settings(data_dir=str(data_dir), split=args.split,
                         batch_size=args.batch_size or data.get("micro_batch_size", DataSection.micro_batch_size),
                         batches=args.batches or evaluation.get("batches", EvalSection.batches),
-                        seed=run_config.get("seed", 0), tolerances=tolerance_list(args.tolerances),
+                        seed=run_config.get("seed", 0), tolerances=tolerances,
                         transient=args.transient, max_think_steps=None)
-    for name in ("batches", "batch_size", "max_think_steps"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise DynamicsError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if trained.family not in FAMILIES:
-        raise DynamicsError(f"{args.source} is a {trained.family} model: the descent dynamics apply to "
-                            f"{', '.join(FAMILIES)}")
     n_steps = trained.model_config.n_steps
     if trained.family == "ebt":
         settings.max_think_steps = args.max_think_steps or 4 * n_steps
@@ -492,14 +495,13 @@ def measure(trained: TrainedModel, settings: Settings, device: torch.device) -> 
 
 
 def dynamics(args) -> Path:
-    out = Path(args.out)
-    check_out(out)
-    tolerance_list(args.tolerances)  # before loading anything
+    tolerances = check_options(args)
     trained = load_trained(args.source, device=args.device, dtype=args.dtype)
-    settings = resolve_settings(args, trained)
+    settings = resolve_settings(args, trained, tolerances)
     report = measure(trained, settings, torch.device(args.device))
     figures = recurrent_figures(report, trained.family) if trained.family in RECURRENT else ebt_figures(report)
     plt = pyplot()
+    out = Path(args.out)
     with atomic_directory(out) as staging:
         for name, figure in figures.items():
             figure.savefig(staging / f"{name}.png", dpi=110, bbox_inches="tight")
@@ -516,7 +518,8 @@ def dynamics(args) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="python -m pretrain.dynamics", description=__doc__.split("\n\n")[0])
     parser.add_argument("source", help="run directory (its newest complete checkpoint), one checkpoint, or an export")
-    parser.add_argument("--out", required=True, help="output directory (replaced whole: new, empty or a previous output)")
+    parser.add_argument("--out", required=True,
+                        help="output directory (replaced whole: new, empty or a previous output)")
     parser.add_argument("--split", default="val", help="split of the dataset to evaluate on (default val)")
     parser.add_argument("--batches", type=int, help="micro-batches to evaluate (default: the run's eval.batches)")
     parser.add_argument("--batch-size", type=int, help="sequences per batch (default: the run's data.micro_batch_size)")

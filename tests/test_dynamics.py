@@ -34,7 +34,8 @@ def reports(tmp_path_factory):
     for family, flavor in FLAVORS.items():
         name = f"dynamics-{family}"
         trained = runs.train_here([f"model.flavor={flavor}", f"run_name={name}", "zero.stage=0",
-                                   f"train.max_steps={STEPS}", f"eval.interval={STEPS}", f"checkpoint.interval={STEPS}"])
+                                   f"train.max_steps={STEPS}", f"eval.interval={STEPS}",
+                                   f"checkpoint.interval={STEPS}"])
         assert trained.returncode == 0, trained.stderr[-3000:]
         command = runs.command_here("pretrain.dynamics", [str(runs.run_dir(name)), "--out", str(out / family),
                                                           "--tolerances", TOLERANCES])
