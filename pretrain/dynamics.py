@@ -38,7 +38,8 @@ import torch.nn as nn
 from common.cli import ArgumentParser, run_command
 from common.fileio import atomic_directory, atomic_write_text, markdown_table
 from pretrain.config import DataSection, EvalSection
-from pretrain.evaluate import _run_dir
+from pretrain.evaluate import run_dir_of
+from pretrain.metrics import pyplot
 from pretrain.models.ebt import energy_settled, token_losses
 from pretrain.trained import DTYPES, TrainedModel, load_trained
 from pretrain.weights import LoadError
@@ -257,15 +258,6 @@ def ebt_dynamics(model: nn.Module, batches: Batches, tolerances: list[float], ma
 
 
 # --- figures, TensorBoard, Markdown ----------------------------------------------------------
-
-def pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-
-    return plt
-
 
 def _step_axis(ax) -> None:
     from matplotlib.ticker import MaxNLocator
@@ -509,7 +501,7 @@ def dynamics(args) -> Path:
         public = {key: value for key, value in report.items() if not key.startswith("_")}
         atomic_write_text(staging / REPORT, json.dumps(public, indent=2) + "\n")
         atomic_write_text(staging / "dynamics.md", markdown(public, list(figures)))
-    run_dir = _run_dir(trained.source)
+    run_dir = run_dir_of(trained.source)
     if run_dir is not None:
         write_tensorboard(run_dir, trained.step, scalars(public), {name: out / f"{name}.png" for name in figures})
     return out

@@ -205,7 +205,7 @@ def _device(requested: str | None):
     return training_device("auto", int(os.environ.get("LOCAL_RANK", "0")))
 
 
-def _run_dir(checkpoint_or_file: Path) -> Path | None:
+def run_dir_of(checkpoint_or_file: Path) -> Path | None:
     """The run directory a checkpoint belongs to (RUN/ckpt/<tag>); None for an export."""
     if checkpoint_or_file.is_dir() and checkpoint_or_file.parent.name == "ckpt":
         return checkpoint_or_file.parent.parent
@@ -215,7 +215,7 @@ def _run_dir(checkpoint_or_file: Path) -> Path | None:
 def results_file(checkpoint_or_file: Path) -> Path:
     """Where the command writes its results JSON without --out: RUN_DIR/downstream/<tag>.json
     for a run's checkpoint (the model card of an export shows it), next to an export otherwise."""
-    run_dir = _run_dir(checkpoint_or_file)
+    run_dir = run_dir_of(checkpoint_or_file)
     if run_dir is None:
         return checkpoint_or_file.with_suffix(".downstream.json")
     return run_dir / "downstream" / f"{checkpoint_or_file.name}.json"
@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
                 continuations.append({"think_steps": steps, "continuations": generated[1]})
     if world_size > 1 and dist.get_rank() != 0:
         return 0
-    run_dir = _run_dir(trained.source)
+    run_dir = run_dir_of(trained.source)
     out = Path(args.out) if args.out else results_file(trained.source)
     report = {"source": str(trained.source), "flavor": trained.flavor, "family": trained.family,
               "step": trained.step, "tasks": names, "limit": args.limit, "dtype": args.dtype,

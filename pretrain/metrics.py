@@ -212,3 +212,14 @@ def format_duration(seconds: float) -> str:
         return "?"
     seconds = int(seconds)
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def pyplot():
+    """matplotlib.pyplot on the file-only backend (no display needed), for the figures of
+    `pretrain.dynamics` and the scaling reports."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt

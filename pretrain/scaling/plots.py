@@ -12,21 +12,12 @@ from pathlib import Path
 
 import numpy as np
 
+from pretrain.metrics import pyplot
 from pretrain.scaling.analysis import LAWS
 
 TB_STEPS_PER_DECADE = 1000
 """A point at x is logged at step round(1000 * log10 x)."""
 _CURVE_POINTS = 64
-
-
-def pyplot():
-    """matplotlib.pyplot on the file-only backend (no display needed)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def _colors(analysis) -> dict[str, str]:
