@@ -422,15 +422,16 @@ def describe_batch_split(cfg: RunConfig, world_size: int) -> str:
     return line
 
 
-def gpu_attention(cfg: RunConfig) -> tuple[str, int, str] | None:
-    """(kernel, head dim, precision) of the attention that training runs through SDPA on the
-    GPUs (`models.sdpa`): on this node's GPU, or where a login node checks a GPU run, on an
-    H100-class one (A100s take the same kernels); None for a model without SDPA attention."""
+def gpu_attention(cfg: RunConfig, config: Any = None) -> tuple[str, int, str] | None:
+    """(kernel, head dim, precision) of the attention that training of `cfg` (its model config
+    `config`, resolved here if not given) runs through SDPA on the GPUs (`models.sdpa`): on this
+    node's GPU, or where a login node checks a GPU run, on an H100-class one (A100s take the same
+    kernels); None for a model without SDPA attention."""
     import torch
 
     from pretrain.models import resolve
     from pretrain.models.sdpa import sdpa_kernel
-    config = resolve(cfg.model.flavor, typed_model_overrides(cfg))
+    config = config or resolve(cfg.model.flavor, typed_model_overrides(cfg))
     if config.sdpa_head_dim is None:
         return None
     precision = resolved_precision(cfg, has_gpu=True)
@@ -534,7 +535,7 @@ def validate(cfg: RunConfig, world_size: int, has_gpu: bool) -> None:
     require(cfg.model.compile == "off" or not model_class(model_config).needs_double_backward,
             "model.compile", f"flavor {cfg.model.flavor} differentiates inside its forward (double "
             "backward), which torch.compile does not support; use 'off'")
-    attention = gpu_attention(cfg) if has_gpu else None
+    attention = gpu_attention(cfg, model_config) if has_gpu else None
     if attention and attention[0] == "math" and "attention_impl" not in cfg.model.overrides:
         _, head_dim, precision = attention
         on_purpose = (", or set model.overrides.attention_impl on purpose (explicit: scores from plain "

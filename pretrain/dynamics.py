@@ -39,7 +39,7 @@ from common.cli import ArgumentParser, run_command
 from common.fileio import atomic_directory, atomic_write_text, markdown_table
 from pretrain.config import DataSection, EvalSection
 from pretrain.evaluate import run_dir_of
-from pretrain.metrics import pyplot
+from pretrain.metrics import append_to_tensorboard, pyplot
 from pretrain.models.ebt import energy_settled, token_losses
 from pretrain.trained import DTYPES, TrainedModel, load_trained
 from pretrain.weights import LoadError
@@ -368,17 +368,6 @@ def scalars(report: dict) -> dict[str, float]:
     return values
 
 
-def write_tensorboard(run_dir: Path, step: int, values: dict[str, float], images: dict[str, Path]) -> None:
-    import matplotlib.image
-    from torch.utils.tensorboard import SummaryWriter
-
-    with SummaryWriter(str(run_dir / "tb")) as writer:
-        for tag, value in values.items():
-            writer.add_scalar(tag, value, step)
-        for name, path in images.items():
-            writer.add_image(f"dynamics/{name}", matplotlib.image.imread(path)[..., :3], step, dataformats="HWC")
-
-
 def markdown(report: dict, figure_names: list[str]) -> str:
     lines = [f"# Descent dynamics of {report['flavor']} at step {report['step']}", "",
              f"Source `{report['source']}`; {report['tokens']} {report['split']} tokens "
@@ -503,7 +492,8 @@ def dynamics(args) -> Path:
         atomic_write_text(staging / "dynamics.md", markdown(public, list(figures)))
     run_dir = run_dir_of(trained.source)
     if run_dir is not None:
-        write_tensorboard(run_dir, trained.step, scalars(public), {name: out / f"{name}.png" for name in figures})
+        append_to_tensorboard(run_dir / "tb", trained.step, scalars(public),
+                              {f"dynamics/{name}": out / f"{name}.png" for name in figures})
     return out
 
 

@@ -303,11 +303,9 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out, json.dumps(report, indent=2) + "\n")
     if run_dir is not None:
-        from torch.utils.tensorboard import SummaryWriter
+        from pretrain.metrics import append_to_tensorboard
 
-        with SummaryWriter(str(run_dir / "tb")) as writer:
-            for tag, value in harness.scalars(rows).items():
-                writer.add_scalar(tag, value, trained.step)
+        append_to_tensorboard(run_dir / "tb", trained.step, harness.scalars(rows))
     print(harness.table(rows), end="")
     print(f"results: {out}", file=sys.stderr)
     return 0

@@ -23,6 +23,7 @@ class Faults:
             self.fired.add(step)
             return loss * math.nan
         if step in self.fault.spike_loss_steps:
-            self.fired.update([step] if last_micro else [])  # every micro-batch of the step spikes
+            if last_micro:  # every micro-batch of the step spikes
+                self.fired.add(step)
             return loss * self.fault.spike_loss_factor
         return loss

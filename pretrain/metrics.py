@@ -214,6 +214,19 @@ def format_duration(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
+def append_to_tensorboard(tb_dir: Path, step: int, scalars: dict[str, float],
+                          images: dict[str, Path] | None = None) -> None:
+    """Add scalars and PNG figures (tag -> file) at `step` to the TensorBoard logs in `tb_dir`,
+    beside what is there: a run's results measured after training (downstream tasks, dynamics)."""
+    import matplotlib.image
+
+    with SummaryWriter(str(tb_dir)) as writer:
+        for tag, value in scalars.items():
+            writer.add_scalar(tag, value, step)
+        for tag, path in (images or {}).items():
+            writer.add_image(tag, matplotlib.image.imread(path)[..., :3], step, dataformats="HWC")
+
+
 def pyplot():
     """matplotlib.pyplot on the file-only backend (no display needed), for the figures of
     `pretrain.dynamics` and the scaling reports."""

@@ -89,10 +89,19 @@ class NRGPTConfig(LMConfig):
                              "for lowrank attention")
 
     @property
-    def sdpa_head_dim(self) -> int | None:
-        if self.attention_impl == "explicit" or (self.grad_mode == "exact" and self.mask == "inclusive"):
-            return None
+    def head_dim(self) -> int:
+        """Width of a head: D / n_head for `lowrank` heads, D for `full` ones (J_h is D x D)."""
         return self.n_embd // self.n_head if self.attention == "lowrank" else self.n_embd
+
+    @property
+    def explicit_scores(self) -> bool:
+        """The attention term forms its scores as a tensor instead of through SDPA: on request,
+        and for the exact gradient's self term under the inclusive mask (it needs p_AA)."""
+        return self.attention_impl == "explicit" or (self.grad_mode == "exact" and self.mask == "inclusive")
+
+    @property
+    def sdpa_head_dim(self) -> int | None:
+        return None if self.explicit_scores else self.head_dim
 
 
 def split_heads(t: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -120,8 +129,8 @@ class EnergyAttention(nn.Module):
         D, H = config.n_embd, config.n_head
         self.n_head, self.lowrank, self.strict = H, config.attention == "lowrank", config.mask == "strict"
         self.self_term = config.grad_mode == "exact" and not self.strict
-        self.explicit = self.self_term or config.attention_impl == "explicit"
-        head_dim = D // H if self.lowrank else D
+        self.explicit = config.explicit_scores
+        head_dim = config.head_dim
         self.beta = 1 / math.sqrt(head_dim) if self.lowrank else 1.0
         self.key = nn.Linear(D, H * head_dim, bias=False)
         self.query = nn.Linear(D, H * head_dim, bias=False) if self.lowrank else None
@@ -460,7 +469,7 @@ class NRGPT(LearnedPositionLM):
         Training = 3 x forward (backward = 2x forward); energies for monitoring are not counted."""
         c = self.config
         D, H, hidden = c.n_embd, c.n_head, c.ff_hidden_factor * c.n_embd
-        d = D // H if c.attention == "lowrank" else D
+        d = c.head_dim
         attention = 2 * H * d * D * (3 if c.attention == "lowrank" else 1) + 4 * H * d * seq_len
         if c.grad_mode == "exact" and c.mask == "inclusive":
             attention += 2 * H * d * D
