@@ -241,6 +241,11 @@ class EvalSection:
     """Length of the generated text sample logged at each evaluation; 0 disables it."""
     sample_temperature: float = 0.8
     """Sampling temperature of the text sample."""
+    dynamics: bool = False
+    """Also measure the descent's cheap scalars (gpt_rec, NRGPT: the loss when reading out after
+    each step, NRGPT's share of tokens whose energy never rises; EBT: energy-loss rank
+    correlation) on each process's first val micro-batch, into TensorBoard (`eval/dynamics/...`)
+    and summary.json (`dynamics`); other families have no descent and get none."""
     downstream: DownstreamSection = field(default_factory=DownstreamSection)
     """Downstream tasks evaluated on every rank; values to TensorBoard and summary.json."""
 

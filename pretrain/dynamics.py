@@ -22,14 +22,12 @@ micro-batch and eval.batches by default), so the loss after the last step is its
 Bad input is one line on stderr (`error: ...`) and exit status 2, with nothing written."""
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import sys
 from dataclasses import dataclass
 from itertools import cycle, islice
 from pathlib import Path
-from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -41,6 +39,8 @@ from pretrain.config import DataSection, EvalSection
 from pretrain.evaluate import run_dir_of
 from pretrain.metrics import append_to_tensorboard, pyplot
 from pretrain.models.ebt import energy_settled, token_losses
+from pretrain.models.probes import (after_each_step, never_rising, rank_correlation, read_out_each_step,
+                                    relative_update, state_energies)
 from pretrain.trained import DTYPES, TrainedModel, load_trained
 from pretrain.weights import LoadError
 
@@ -73,57 +73,18 @@ def evaluation_batches(data_dir: str, split: str, batch_size: int, batches: int,
 
 # --- recurrent families ---------------------------------------------------------------------
 
-@contextlib.contextmanager
-def after_each_step(model: nn.Module, on_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]
-                    ) -> Iterator[None]:
-    """During the block, every application of the recurrent block (`model.block`, shared by
-    the steps of gpt_rec and NRGPT) calls on_step(state before, state after); a tensor it
-    returns replaces the state after. A forward hook: the models compute what they always do."""
-    def hook(module, args, output):
-        returned = isinstance(output, tuple)  # NRGPT's block returns (state, energies or None)
-        replaced = on_step(args[0], output[0] if returned else output)
-        if replaced is None:
-            return None
-        return (replaced, *output[1:]) if returned else replaced
-
-    handle = model.block.register_forward_hook(hook)
-    try:
-        yield
-    finally:
-        handle.remove()
-
-
-def relative_update(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
-    """[B, T] ||x_{s+1} - x_s|| / ||x_s|| per token, in float32 at least."""
-    wide = torch.promote_types(before.dtype, torch.float32)
-    return (after - before).to(wide).norm(dim=-1) / before.to(wide).norm(dim=-1)
-
-
-def readout_losses(model: nn.Module, state: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """[B, T] per-token loss of reading out `state` (final norm and LM head, as the forward)."""
-    return token_losses(model.lm_head(model.ln_f(state)), targets)
-
-
 @torch.no_grad()
 def fixed_depth(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
     """One forward, read out after every step. Per token, [steps, B, T]: `losses` after steps
     1..S, `updates` (relative update of steps 1..S); NRGPT also `energies` [S + 1, B, T], each
-    token's own energy at the states 0..S (the forward's per-step energies, of the states
-    entering each step, and the final state's). `loss`: the forward's own loss."""
-    states = []
-
-    def record(before: torch.Tensor, after: torch.Tensor) -> None:
-        states.extend([before, after] if not states else [after])
-
+    token's own energy at the states 0..S. `loss`: the forward's own loss."""
     nrgpt = hasattr(model, "recurrence")
-    with after_each_step(model, record):
+    with read_out_each_step(model, targets) as record:
         out = model(inputs, targets, return_energies=nrgpt)
-    measured = {"loss": out.loss,
-                "losses": torch.stack([readout_losses(model, state, targets) for state in states[1:]]),
-                "updates": torch.stack([relative_update(a, b) for a, b in zip(states, states[1:])])}
+    measured = {"loss": out.loss, "losses": torch.stack(record["losses"]),
+                "updates": torch.stack(record["updates"])}
     if nrgpt:
-        final = model.block.energy(model.block.norm(states[-1]))
-        measured["energies"] = torch.cat([out.diagnostics["_token_energy"], final.unsqueeze(0)])
+        measured["energies"] = state_energies(out.diagnostics["_token_energy"], record)
     return measured
 
 
@@ -159,16 +120,6 @@ def quartile_rows(values: torch.Tensor, first: int, key: str) -> list[dict]:
              "q75": float(q75)} for i, (row, q25, q50, q75) in enumerate(zip(values, *quartiles))]
 
 
-def monotone_fraction(energies: torch.Tensor, transient: int) -> float:
-    """Share of tokens (columns of `energies` [S + 1, N], states 0..S) whose energy never rises
-    from state `transient` on. A rise smaller than 64 float32 roundings of the token's largest
-    |energy| is rounding, not a rise."""
-    wide = energies.double()
-    slack = 64 * torch.finfo(torch.float32).eps * wide.abs().amax(dim=0)
-    rises = (wide[transient + 1:] - wide[transient:-1] > slack).any(dim=0)
-    return float(1 - rises.double().mean())
-
-
 def adaptive_row(tolerance: float, losses: list[torch.Tensor], steps: list[torch.Tensor]) -> dict:
     steps_all = torch.cat(steps)
     return {"tolerance": tolerance, "mean_steps": float(steps_all.double().mean()),
@@ -199,7 +150,7 @@ def recurrent_dynamics(model: nn.Module, batches: Batches, tolerances: list[floa
               "adaptive": [adaptive_row(t, *adaptive[t]) for t in tolerances]}
     if "energies" in tokens:
         report["energy_per_step"] = quartile_rows(tokens["energies"], 0, "state")
-        report["monotone_fraction"] = monotone_fraction(tokens["energies"], transient)
+        report["monotone_fraction"] = float(never_rising(tokens["energies"], transient).double().mean())
         report["monotone_after_steps"] = transient
         sample = torch.randperm(tokens["energies"].size(1), generator=torch.Generator().manual_seed(0))
         report["_trajectories"] = tokens["energies"][:, sample[:TRAJECTORY_SAMPLE]]
@@ -222,8 +173,6 @@ def ebt_dynamics(model: nn.Module, batches: Batches, tolerances: list[float], ma
     step count its final energies against its losses per token; the thinking curve up to
     `max_steps`; per tolerance, the descent of at most `max_steps` that stops per token (read
     off the fixed descent's per-token energies and losses: one descent for every tolerance)."""
-    from scipy.stats import spearmanr
-
     energies, losses, forward_losses, curves = [], [], [], []
     adaptive: dict[float, tuple[list, list]] = {t: ([], []) for t in tolerances}
     for inputs, targets in batches:
@@ -250,7 +199,7 @@ def ebt_dynamics(model: nn.Module, batches: Batches, tolerances: list[float], ma
     curve = torch.stack(curves).mean(dim=0)
     return {"loss": float(np.mean(forward_losses)), "tokens": int(loss.size),
             "n_steps": model.config.n_steps, "max_think_steps": max_steps,
-            "energy_loss_spearman": float(spearmanr(energy, loss).statistic),
+            "energy_loss_spearman": float(rank_correlation(torch.from_numpy(energy), torch.from_numpy(loss))),
             "energy_deciles": deciles,
             "thinking_curve": [{"steps": k + 1, "loss": float(x)} for k, x in enumerate(curve)],
             "adaptive": [adaptive_row(t, *adaptive[t]) for t in tolerances],

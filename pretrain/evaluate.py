@@ -1,6 +1,6 @@
 """Evaluation during training: val loss and perplexity, bits per byte, EBT's thinking curve (val
-loss after 1..N inference steps), a short generated text sample, and the downstream tasks of
-`eval.downstream` (`evaluate_downstream`). As a command, downstream
+loss after 1..N inference steps), the descent's scalars of `eval.dynamics`, a short generated
+text sample, and the downstream tasks of `eval.downstream` (`evaluate_downstream`). As a command, downstream
 evaluation of a trained model on lm-evaluation-harness (pretrain.downstream), offline:
 
     python -m pretrain.evaluate RUN_DIR [--checkpoint TAG] --tasks core|nrgpt_paper|ebt_paper|NAME,...
@@ -32,6 +32,9 @@ from common.cli import ArgumentParser, run_command
 from pretrain.config import DownstreamSection, EvalSection
 
 
+DEPTH_READOUT_BUDGET = 0.05
+"""`eval.dynamics`: the depth curve's extra LM heads cost at most this share of the forward FLOPs
+of an evaluation (gpt_rec and NRGPT read out at every `stride`-th position to stay under it)."""
 PROMPT_END = " \u27e8generated\u27e9 "
 """Marks where the logged sample's prompt (from the val data) ends and the model's text begins."""
 
@@ -53,6 +56,8 @@ class EvalResult:
     bpb: float | None = None
     """`loss` in bits per UTF-8 byte of the evaluated target tokens' text, comparable across
     tokenizers; None without a byte table (e.g. ListOps)."""
+    dynamics: dict[str, float] | None = None
+    """`eval.dynamics`: the descent's scalars (`DescentProbe`); None when off or without a descent."""
 
     def scalars(self) -> dict[str, float]:
         values = {"eval/loss": self.loss, "eval/ppl": math.exp(min(self.loss, 50.0))}
@@ -63,6 +68,7 @@ class EvalResult:
             values["eval/bpb"] = self.bpb
         for k, loss in enumerate(self.think_losses or [], start=1):
             values[f"eval/think_loss/step_{k:02d}"] = loss
+        values.update({f"eval/dynamics/{name}": value for name, value in (self.dynamics or {}).items()})
         return values
 
     def line(self) -> str:
@@ -78,6 +84,75 @@ class EvalResult:
 def bits_per_byte(loss_nats: float, tokens: int, utf8_bytes: int) -> float:
     """Mean loss over `tokens` (nats per token) as bits per byte of the text they encode."""
     return loss_nats * tokens / math.log(2) / utf8_bytes
+
+
+class DescentProbe:
+    """`eval.dynamics`: the descent's cheap scalars, measured on the first val micro-batch of
+    each process (the same tokens at every evaluation) inside the evaluation's own forward or
+    thinking, then reduced over the processes:
+
+    - gpt_rec and NRGPT: `depth_loss/step_SS`, the loss when reading out after step s (early
+      exit at a fixed depth), at every `stride`-th position, the stride keeping the extra LM
+      heads under DEPTH_READOUT_BUDGET of the evaluation's forward FLOPs;
+    - NRGPT: `monotone_fraction`, the share of tokens whose own energy never rises after the
+      first step (the energies cost about half a step each);
+    - EBT: `energy_loss_spearman`, the rank correlation of a token's final energy with its loss
+      after the trained steps (or eval.think_steps if fewer), averaged over the processes.
+
+    `pretrain.dynamics` measures these, and more, over many batches after training."""
+
+    def __init__(self, model: torch.nn.Module, seq_len: int, batches: int):
+        from pretrain.models import family_name
+
+        self.model, self.family = model, family_name(model.config)
+        self.totals: torch.Tensor | None = None
+        if self.family != "ebt":
+            extra = model.config.n_steps * model.readout_flops(training=False)  # per token read out at every step
+            stride = math.ceil(extra / (DEPTH_READOUT_BUDGET * batches * model.flops_per_token(seq_len, training=False)))
+            self.positions = slice(stride - 1, None, stride)
+
+    @staticmethod
+    def applies(model: torch.nn.Module, settings: EvalSection) -> bool:
+        from pretrain.models import family_name
+
+        return settings.dynamics and family_name(model.config) in ("gpt_rec", "nrgpt", "ebt")
+
+    def forward(self, engine, inputs: torch.Tensor, targets: torch.Tensor):
+        """The evaluation's forward of a gpt_rec or NRGPT model, read out after every step."""
+        from pretrain.models.probes import never_rising, read_out_each_step, state_energies
+
+        nrgpt = self.family == "nrgpt"
+        with read_out_each_step(self.model, targets, self.positions) as record:
+            out = engine(inputs, targets, return_energies=nrgpt)
+        read = targets[:, self.positions] != -1
+        totals = [(losses * read).sum() for losses in record["losses"]] + [read.sum()]
+        if nrgpt:
+            valid = targets != -1
+            energies = state_energies(out.diagnostics["_token_energy"], record)[:, valid]
+            totals += [never_rising(energies, min(1, self.model.config.n_steps - 1)).sum(), valid.sum()]
+        self.totals = torch.stack(totals).double()
+        return out
+
+    def think(self, thought, targets: torch.Tensor) -> None:
+        """An EBT's thinking on the batch (`think` with targets): the rank correlation."""
+        from pretrain.models.probes import rank_correlation
+
+        after = min(self.model.config.n_steps, thought.token_losses.size(0))
+        valid = targets != -1
+        self.totals = rank_correlation(thought.energies[after][valid], thought.token_losses[after - 1][valid]
+                                       ).view(1).to(targets.device)
+
+    def scalars(self) -> dict[str, float]:
+        """The scalars over every process (a collective: every rank calls it)."""
+        dist.all_reduce(self.totals)
+        if self.family == "ebt":
+            return {"energy_loss_spearman": float(self.totals[0]) / dist.get_world_size()}
+        steps = self.model.config.n_steps
+        values = self.totals.tolist()
+        scalars = {f"depth_loss/step_{s:02d}": values[s - 1] / max(values[steps], 1) for s in range(1, steps + 1)}
+        if self.family == "nrgpt":
+            scalars["monotone_fraction"] = values[steps + 1] / max(values[steps + 2], 1)
+        return scalars
 
 
 @torch.no_grad()
@@ -105,18 +180,23 @@ def evaluate(engine, val_loader, settings: EvalSection, device: torch.device, se
             totals = torch.zeros(1 + (1 + settings.think_steps if thinks else 0), dtype=torch.float64,
                                  device=device)
             target_bytes = torch.zeros(1, dtype=torch.float64, device=device)
-            first_inputs = None
+            first_inputs = probe = None
             for inputs, targets in islice(cycle(val_loader), settings.batches):
                 inputs, targets = inputs.to(device), targets.to(device)
+                probing = first_inputs is None and DescentProbe.applies(model, settings)
+                if probing:
+                    probe = DescentProbe(model, inputs.size(1), settings.batches)
                 first_inputs = inputs if first_inputs is None else first_inputs
                 if token_bytes is not None:
                     target_bytes += token_bytes[targets].sum()
-                out = engine(inputs, targets)
+                out = probe.forward(engine, inputs, targets) if probing and not thinks else engine(inputs, targets)
                 totals[0] += out.loss.double()
                 if thinks:
                     totals[1] += out.diagnostics["loss_per_step"].double().mean()
-                    curve = model.think(inputs, steps=settings.think_steps, targets=targets).loss_per_step
-                    totals[2:] += curve.double()
+                    thought = model.think(inputs, steps=settings.think_steps, targets=targets)
+                    totals[2:] += thought.loss_per_step.double()
+                    if probing:
+                        probe.think(thought, targets)
             dist.all_reduce(totals)
             dist.all_reduce(target_bytes)
             means = (totals / (settings.batches * dist.get_world_size())).tolist()
@@ -133,10 +213,11 @@ def evaluate(engine, val_loader, settings: EvalSection, device: torch.device, se
                 sample = text(prompt[0].tolist()) + PROMPT_END + text(ids[0, prompt.size(1):].tolist())
     finally:
         engine.train()
+    dynamics = None if probe is None else probe.scalars()
     if not thinks:
-        return EvalResult(loss=means[0], think_losses=None, sample=sample, bpb=bpb)
+        return EvalResult(loss=means[0], think_losses=None, sample=sample, bpb=bpb, dynamics=dynamics)
     return EvalResult(loss=means[0], think_losses=means[2:], sample=sample, loss_mean_steps=means[1],
-                      langevin_noise_std=model.eval_noise_std(), bpb=bpb)
+                      langevin_noise_std=model.eval_noise_std(), bpb=bpb, dynamics=dynamics)
 
 
 def evaluate_downstream(model: torch.nn.Module, settings: DownstreamSection, manifest: dict, step: int,

@@ -42,13 +42,16 @@ class TrainState:
     """Lowest validation loss so far."""
     think_losses: list[float] | None = None
     """EBT: val loss after 1..N inference steps at the latest evaluation."""
+    dynamics: dict[str, float] | None = None
+    """`eval.dynamics`: the descent's scalars at the latest evaluation."""
     wall_time_s: float = 0.0
     """Seconds spent in this run up to the latest checkpoint, summed over resumed segments."""
 
-    def record_eval(self, val_loss: float, think_losses: list[float] | None) -> None:
+    def record_eval(self, val_loss: float, think_losses: list[float] | None,
+                    dynamics: dict[str, float] | None = None) -> None:
         self.last_val_loss = val_loss
         self.best_val_loss = val_loss if self.best_val_loss is None else min(self.best_val_loss, val_loss)
-        self.think_losses = think_losses
+        self.think_losses, self.dynamics = think_losses, dynamics
 
     @classmethod
     def from_saved(cls, saved: dict) -> TrainState:

@@ -336,7 +336,7 @@ class Trainer:
     def run_eval(self) -> EvalResult:
         result = evaluate(self.engine, self.val_loader, self.cfg.eval, self.device, self.cfg.seed, self.manifest)
         state = self.state
-        state.record_eval(result.loss, result.think_losses)
+        state.record_eval(result.loss, result.think_losses, result.dynamics)
         self.metrics.scalars(state.step, result.scalars())
         self.metrics.print(f"eval at step {state.step}: {result.line()}")
         if result.sample is not None:
@@ -361,7 +361,7 @@ class Trainer:
             extra={"flops_per_token": self.flops_per_token, "precision": self.precision,
                    "zero_stage": cfg.zero.stage, "global_batch_size": cfg.train.global_batch_size,
                    "seq_len": cfg.data.seq_len, "skipped_steps": state.skipped_steps, "spike_skips": state.spike_skips,
-                   "reloads": state.reloads, "think_losses": state.think_losses,
+                   "reloads": state.reloads, "think_losses": state.think_losses, "dynamics": state.dynamics,
                    "tokens_per_s": self.throughput.session_tokens_per_s(),
                    "model_config": asdict(self.model_config), "downstream": self.downstream},
         ).save(self.run_dir)

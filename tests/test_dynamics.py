@@ -15,9 +15,11 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import trainer_runs as runs
 from numerics import assert_rounding_close
-from pretrain.dynamics import adaptive_exit, fixed_depth, recurrent_dynamics, stopped_steps
+from pretrain.dynamics import adaptive_exit, ebt_dynamics, fixed_depth, recurrent_dynamics, stopped_steps
+from pretrain.evaluate import DescentProbe
 from pretrain.models import build, resolve
 from pretrain.models.ebt import token_losses
+from pretrain.models.probes import rank_correlation
 
 STEPS = 4
 FLAVORS = {"nrgpt": "nrgpt-tiny", "gpt_rec": "gpt_rec-tiny", "ebt": "ebt-tiny"}
@@ -210,3 +212,75 @@ def test_bad_input_is_one_line_and_writes_nothing(reports, tmp_path):
     result = runs.command_here("pretrain.dynamics", [str(runs.run_dir(name)), "--out", str(foreign)])
     assert result.returncode == 2 and "not an empty directory" in result.stderr
     assert [p.name for p in foreign.iterdir()] == ["notes.txt"]
+
+
+# --- the in-training scalars (`eval.dynamics`) ------------------------------------------------
+
+@pytest.fixture
+def one_process_group(tmp_path):
+    """A one-process gloo group: the probe reduces its sums over the processes."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_rank_correlation_is_spearmans_with_ties():
+    from scipy.stats import spearmanr
+
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randint(0, 7, (300,), generator=generator).double()  # many ties
+    y = x + torch.randint(0, 4, (300,), generator=generator).double()
+    expected = spearmanr(x.numpy(), y.numpy()).statistic
+    assert_rounding_close(rank_correlation(x, y), torch.tensor(expected, dtype=torch.float64))
+    assert float(rank_correlation(x, torch.ones(300))) == 0.0
+
+
+@pytest.mark.parametrize("flavor", ["nrgpt-tiny", "gpt_rec-tiny"])
+def test_the_probe_in_the_evaluation_measures_what_the_command_does(one_process_group, flavor):
+    """With every position read out (many eval batches: a stride of 1), the probe's depth curve
+    and monotone fraction on a batch are the command's on it, its last point is the forward's
+    loss, and the forward is unchanged; with one batch it reads out a strided subset."""
+    torch.manual_seed(0)
+    model = build(resolve(flavor, {"n_steps": 4})).eval()
+    idx = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(2))
+    targets = idx.roll(-1, 1)
+    targets[0, -3:] = -1  # ignored targets are left out
+    probe = DescentProbe(model, idx.size(1), batches=10**6)
+    assert probe.positions == slice(0, None, 1)
+    with torch.no_grad():
+        out = probe.forward(model, idx, targets)
+        assert torch.equal(out.loss, model(idx, targets).loss)
+        report = recurrent_dynamics(model, [(idx, targets)], [0.0], transient=1)
+    scalars = probe.scalars()
+    depth = [scalars[f"depth_loss/step_{s:02d}"] for s in range(1, 5)]
+    assert_rounding_close(torch.tensor(depth), torch.tensor([row["loss"] for row in report["depth_curve"]]),
+                          rounded_in=torch.float32)
+    assert_rounding_close(torch.tensor(depth[-1]), out.loss)
+    if flavor.startswith("nrgpt"):
+        assert scalars["monotone_fraction"] == report["monotone_fraction"]
+    else:
+        assert "monotone_fraction" not in scalars
+    strided = DescentProbe(model, idx.size(1), batches=1)
+    stride = strided.positions.step
+    assert stride > 1 and strided.positions.start == stride - 1
+    with torch.no_grad():
+        strided.forward(model, idx, targets)
+    read = targets[:, stride - 1::stride]
+    expected = token_losses(model(idx).logits[:, stride - 1::stride], read)[read != -1].double().mean()
+    assert_rounding_close(torch.tensor(strided.scalars()["depth_loss/step_04"], dtype=torch.float64), expected,
+                          rounded_in=torch.float32)
+
+
+def test_the_probe_of_an_ebt_is_the_commands_rank_correlation(one_process_group):
+    """From the evaluation's thinking (eval.think_steps beyond the trained steps), the energy-loss
+    rank correlation after the trained steps, as the command computes it on the same batch."""
+    torch.manual_seed(0)
+    model = build(resolve("ebt-tiny", {})).eval()
+    idx = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(2))
+    probe = DescentProbe(model, idx.size(1), batches=1)
+    probe.think(model.think(idx, steps=model.config.n_steps + 2, targets=idx), idx)
+    report = ebt_dynamics(model, [(idx, idx)], [0.0], max_steps=model.config.n_steps)
+    assert_rounding_close(torch.tensor(probe.scalars()["energy_loss_spearman"], dtype=torch.float64),
+                          torch.tensor(report["energy_loss_spearman"], dtype=torch.float64), rounded_in=torch.float32)

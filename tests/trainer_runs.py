@@ -56,7 +56,7 @@ BASE_CONFIG = {
     "train": {"max_steps": N_STEPS, "global_batch_size": 8, "log_interval": 1},
     "zero": {"stage": 2},
     "checkpoint": {"interval": CKPT_INTERVAL, "keep": 5},
-    "eval": {"interval": 0, "batches": 2, "think_steps": 3, "sample_tokens": 8},
+    "eval": {"interval": 0, "batches": 2, "think_steps": 3, "sample_tokens": 8, "dynamics": True},
 }
 
 
