@@ -4,11 +4,14 @@ text sample, and the downstream tasks of `eval.downstream` (`evaluate_downstream
 evaluation of a trained model on lm-evaluation-harness (pretrain.downstream), offline:
 
     python -m pretrain.evaluate RUN_DIR [--checkpoint TAG] --tasks core|nrgpt_paper|ebt_paper|NAME,...
-        [--limit N] [--think-steps 1,2,4] [--best-of K] [--batch-size B] [--out FILE]
+        [--limit N] [--think-steps 1,2,4] [--best-of K] [--think-until TOL] [--batch-size B] [--out FILE]
 
 prints a Markdown table, writes the results JSON (default RUN_DIR/downstream/<tag>.json) and the
 scalars `downstream/<task>/<metric>` into the run's TensorBoard at the checkpoint's step. Under
-torchrun the documents are split over the ranks; the numbers equal a one-process run's.
+torchrun the documents are split over the ranks; the numbers equal a one-process run's. EBT's
+`--think-until TOL` stops each position's descent once a step changed its energy by less than TOL
+times the energy (each --think-steps then the most it takes) and reports the mean steps per
+scored token, per task in the rows and over all tasks on stderr.
 
 Every rank runs the same calls (under ZeRO-3 a forward pass gathers parameters collectively),
 and evaluation draws its random numbers from a fixed seed inside a forked RNG, so it neither
@@ -249,6 +252,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _tolerance(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (a relative change of the energy), got {text}")
+    return value
+
+
 def _step_list(text: str) -> list[int]:
     try:
         steps = [int(part) for part in text.split(",")]
@@ -268,6 +281,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--limit", type=_positive_int, help="documents per task (the first N); default all")
     parser.add_argument("--think-steps", type=_step_list, help="EBT: evaluate at each of these inference step counts")
     parser.add_argument("--best-of", type=_positive_int, default=1, help="EBT: noise samples per position (lowest energy kept)")
+    parser.add_argument("--think-until", type=_tolerance, metavar="TOL",
+                        help="EBT: stop a position's descent once a step changes its energy by less than TOL "
+                        "times the energy (--think-steps is then the most it takes)")
     parser.add_argument("--batch-size", type=_positive_int, default=8, help="sequences per forward pass")
     parser.add_argument("--device", help="cpu, cuda or cuda:N (default: this rank's GPU if there is one)")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="weights and activations")
@@ -344,8 +360,10 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.set_device(device)
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         trained = _load_text_model(source, device, args.dtype)
-        if (args.think_steps or args.best_of != 1) and not hasattr(trained.model, "think"):
-            raise LoadError(f"--think-steps/--best-of: a {trained.family} model does not think (EBT only)")
+        thinking = args.think_steps or args.best_of != 1 or args.think_until is not None
+        if thinking and not hasattr(trained.model, "think"):
+            raise LoadError(f"--think-steps/--best-of/--think-until: a {trained.family} model does not think "
+                            "(EBT only)")
         prompts = reference = None
         if harness.wants_generation(names):
             data_path = trained.run_config.get("data", {}).get("path")
@@ -360,18 +378,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    rows, continuations = [], []
+    rows, continuations, thinking_lines = [], [], []
     for steps in args.think_steps or [None]:
         model = HarnessModel(trained.model, trained.tokenizer, batch_size=args.batch_size,
-                             think_steps=steps, best_of=args.best_of)
+                             think_steps=steps, best_of=args.best_of, think_until=args.think_until)
         rows += harness.run(model, names, args.limit) or []
-        if prompts is not None:
-            generated = generation.generation_quality(model, prompts, reference)
-            if generated is not None:
-                for row in generated[0]:
-                    row.think_steps, row.best_of = steps, args.best_of
-                rows += generated[0]
-                continuations.append({"think_steps": steps, "continuations": generated[1]})
+        generated = None if prompts is None else generation.generation_quality(model, prompts, reference)
+        if args.think_until is not None:
+            step_counts = model.step_counts()  # on every rank: a collective
+            overall = harness.pooled_steps(step_counts, step_counts)
+            cap = steps or trained.model_config.n_steps
+            thinking_lines.append(f"thinking until the energy changes by less than {args.think_until:g}, at most "
+                                  f"{cap} steps: {overall.mean or 0:.2f} descent steps per scored token on "
+                                  f"average, at most {overall.most}")
+        if generated is not None:
+            for row in generated[0]:
+                row.think_steps, row.best_of = steps, args.best_of
+                if args.think_until is not None:  # generation's own requests count under ""
+                    row.think_until, row.mean_steps = args.think_until, harness.pooled_steps(step_counts, [""]).mean
+            rows += generated[0]
+            continuations.append({"think_steps": steps, "continuations": generated[1]})
     if world_size > 1 and dist.get_rank() != 0:
         return 0
     run_dir = run_dir_of(trained.source)
@@ -388,6 +414,8 @@ def main(argv: list[str] | None = None) -> int:
 
         append_to_tensorboard(run_dir / "tb", trained.step, harness.scalars(rows))
     print(harness.table(rows), end="")
+    for line in thinking_lines:
+        print(line, file=sys.stderr)
     print(f"results: {out}", file=sys.stderr)
     return 0
 

@@ -2,8 +2,8 @@
 
     python -m pretrain.sample RUN_DIR|CHECKPOINT|EXPORT --prompt TEXT [--prompt TEXT ...]
         [--prompt-file FILE ...] [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]
-        [--seed S] [--num-samples M] [--think-steps N] [--best-of K] [--device cpu|cuda]
-        [--dtype fp32|bf16]
+        [--seed S] [--num-samples M] [--think-steps N] [--best-of K] [--think-until TOL]
+        [--device cpu|cuda] [--dtype fp32|bf16]
 
 Every prompt (each --prompt, and each --prompt-file's whole text) is sampled --num-samples
 times, all rows as one batch, decoded incrementally (`pretrain.models.common.decode`). The first
@@ -11,9 +11,12 @@ row streams as its tokens arrive; with several rows, each is headed by a line na
 and sample, and a row is printed once the rows before it are done. The same arguments and seed
 give the same text. Temperature 0 is greedy decoding. EBT models predict each token by their
 descent: --think-steps sets its steps (default: the model's n_steps) and --best-of the number of
-initial candidates, of which the lowest final energy wins. Past the model's context the window
-slides: each further token recomputes the last block_size tokens (said once on stderr). Bad
-input is one line on stderr (`error: ...`) and exit status 2."""
+initial candidates, of which the lowest final energy wins; --think-until TOL stops each token's
+descent once a step changed its energy by less than TOL times the energy before it (--think-steps
+is then the most it takes) and says on stderr how many steps the tokens took. Every row thinks
+from the same noise, so its logits do not depend on the rows sampled with it. Past the model's
+context the window slides: each further token recomputes the last block_size tokens (said once
+on stderr). Bad input is one line on stderr (`error: ...`) and exit status 2."""
 from __future__ import annotations
 
 import sys
@@ -24,10 +27,11 @@ import torch
 
 from common.cli import ArgumentParser, run_command
 from pretrain.models.common import decode, sample_logits
+from pretrain.models.ebt import StepCount
 from pretrain.trained import DTYPES, TrainedModel, load_trained
 from pretrain.weights import LoadError
 
-EBT_OPTIONS = ("think_steps", "best_of")
+EBT_OPTIONS = ("think_steps", "best_of", "think_until")
 
 
 class SampleError(ValueError):
@@ -101,10 +105,12 @@ def check_options(args) -> None:
         raise SampleError(f"--temperature must be >= 0 (0 is greedy), got {args.temperature}")
     if args.top_p is not None and not 0 < args.top_p <= 1:
         raise SampleError(f"--top-p must be in (0, 1], got {args.top_p}")
-    for name in ("max_new_tokens", "num_samples", "top_k", *EBT_OPTIONS):
+    for name in ("max_new_tokens", "num_samples", "top_k", "think_steps", "best_of"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise SampleError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.think_until is not None and not args.think_until >= 0:
+        raise SampleError(f"--think-until must be >= 0 (a relative change of the energy), got {args.think_until}")
 
 
 def encode_prompts(trained: TrainedModel, prompts: list[str]) -> list[list[int]]:
@@ -131,10 +137,15 @@ def sample(args, out=sys.stdout, err=sys.stderr) -> None:
     trained = load_trained(args.source, device=args.device, dtype=args.dtype)
     ebt_options = {name: getattr(args, name) for name in EBT_OPTIONS if getattr(args, name) is not None}
     if ebt_options and trained.family != "ebt":
-        raise SampleError(f"--think-steps and --best-of apply to EBT models only; {args.source} is a "
-                          f"{trained.family} model")
-    logit_options = {"steps": ebt_options.get("think_steps"), "best_of": ebt_options.get("best_of", 1)} \
-        if trained.family == "ebt" else {}
+        raise SampleError(f"--think-steps, --best-of and --think-until apply to EBT models only; {args.source} "
+                          f"is a {trained.family} model")
+    logit_options = {}
+    steps_taken: list[torch.Tensor] = []
+    if trained.family == "ebt":
+        logit_options = {"steps": ebt_options.get("think_steps"), "best_of": ebt_options.get("best_of", 1),
+                         "stop_tolerance": args.think_until}
+        if args.think_until is not None:
+            logit_options["steps_taken"] = steps_taken
     tokenizer = trained.tokenizer
     rows = [Row(label=f"--- prompt {p + 1}, sample {s + 1} ---", prompt_ids=ids,
                 prompt_text=prompts[p])
@@ -158,12 +169,20 @@ def sample(args, out=sys.stdout, err=sys.stderr) -> None:
     printer = StreamPrinter(rows, tokenizer, args.max_new_tokens, out)
     torch.manual_seed(args.seed)
     position = min(lengths)
+    thinking = StepCount()
     for tokens in decode(trained.model, batch, args.max_new_tokens, choose, lengths, say_slide, **logit_options):
-        for row, token in zip(rows, tokens.tolist()):
+        token_steps = steps_taken.pop() if steps_taken else None
+        for number, (row, token) in enumerate(zip(rows, tokens.tolist())):
             if len(row.prompt_ids) <= position and len(row.new_ids) < args.max_new_tokens:
                 row.new_ids.append(token)
+                if token_steps is not None:
+                    thinking.add(token_steps[number])
         position += 1
         printer.update()
+    if args.think_until is not None:
+        cap = args.think_steps or trained.model_config.n_steps
+        err.write(f"thinking until the energy changes by less than {args.think_until:g}: {thinking.mean:.2f} "
+                  f"descent steps per generated token on average, at most {thinking.most} (of up to {cap})\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-samples", type=int, default=1, help="samples per prompt")
     parser.add_argument("--think-steps", type=int, help="EBT: descent steps per token (default: the model's)")
     parser.add_argument("--best-of", type=int, help="EBT: initial candidates per token, lowest energy wins")
+    parser.add_argument("--think-until", type=float, metavar="TOL",
+                        help="EBT: stop a token's descent once a step changes its energy by less than TOL "
+                        "times the energy (--think-steps is then the most it takes)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32")
     args = parser.parse_args(argv)

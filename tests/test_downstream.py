@@ -86,12 +86,45 @@ def test_rolling_loglikelihood_is_val_loss_times_tokens(flavor):
     assert total == pytest.approx(-loss.item() * len(tokens), rel=1e-5)
 
 
+@pytest.mark.parametrize("flavor", ["ebt-tiny", "ebt-s2-tiny"])
+def test_thinking_until_settled_scores_a_request_as_alone_and_counts_its_steps(flavor):
+    """--think-until in the adapter: a request's log-likelihood and its tokens' descent steps
+    are those of the request scored alone (ebt-s2-tiny adds Langevin noise at eval, drawn per
+    position), each scored token counted once (lm-eval pads a rank's share with copies of its
+    last request); tolerance 0 scores as the fixed descent, every token taking the cap."""
+    model = tiny_model(flavor)
+
+    def adapter(batch_size: int, tolerance: float | None) -> HarnessModel:
+        return HarnessModel(model, GPT2Tokenizer(), batch_size=batch_size, think_steps=4, think_until=tolerance,
+                            progress=False)
+
+    requests = [Request(pair) for pair in TEXTS]
+    batched = adapter(3, 0.2)
+    together = batched.loglikelihood(requests + requests[-1:])
+    counted = batched.step_counts()[""]
+    steps = alone_positions = 0
+    for request, result in zip(requests, together):
+        alone = adapter(1, 0.2)
+        (result_alone,) = alone.loglikelihood([request])
+        assert result[0] == pytest.approx(result_alone[0], abs=1e-4, rel=1e-5) and result[1] == result_alone[1]
+        steps += alone.step_counts()[""].steps
+        alone_positions += alone.step_counts()[""].positions
+    assert (counted.steps, counted.positions) == (steps, alone_positions)
+    assert counted.positions == sum(len(batched.continuation_tokens(*pair)[1]) for pair in TEXTS)
+    assert 1 < counted.mean < 4 and counted.most == 4  # tokens stopped after different step counts
+    zero = adapter(3, 0.0)
+    assert zero.loglikelihood(requests) == adapter(3, None).loglikelihood(requests)
+    assert zero.step_counts()[""].mean == 4
+
+
 def test_ebt_refuses_inference_mode_and_thinking_for_other_families():
     lm = HarnessModel(tiny_model("ebt-tiny"), GPT2Tokenizer(), progress=False)
     with torch.inference_mode(), pytest.raises(RuntimeError, match="inference_mode"):
         lm.loglikelihood([Request(TEXTS[0])])
     with pytest.raises(ValueError, match="does not think"):
         HarnessModel(tiny_model("gpt-tiny"), GPT2Tokenizer(), think_steps=2)
+    with pytest.raises(ValueError, match="does not think"):
+        HarnessModel(tiny_model("gpt-tiny"), GPT2Tokenizer(), think_until=0.1)
 
 
 def test_generate_until_is_greedy_and_stops_at_the_stop_string():
@@ -229,6 +262,33 @@ def test_ebt_thinks_at_each_step_count_of_the_command(tmp_path, capsys):
     assert harness.scalar_tag(harness.Row(**rows[3, "bpb"])) == "downstream/arc_easy/bpb_think3_best2"
 
 
+def test_ebt_thinks_until_the_energy_settles_in_the_command(tmp_path, capsys):
+    """--think-until 0 gives the fixed-step numbers, every token taking the cap; a huge
+    tolerance stops every token after one step, giving the one-step numbers; the mean steps are
+    in the rows, the table and on stderr."""
+    file = gpt2_export(tmp_path, "ebt-tiny")
+    args = [str(file), "--tasks", "arc_easy", "--limit", "1"]
+
+    def rows(*extra: str) -> tuple[dict, str, str]:
+        out = tmp_path / "thinking.json"
+        assert evaluate.main([*args, *extra, "--out", str(out)]) == 0
+        captured = capsys.readouterr()
+        return ({(r["think_steps"], r["metric"]): r for r in json.loads(out.read_text())["rows"]},
+                captured.out, captured.err)
+
+    fixed, _, _ = rows("--think-steps", "1,3")
+    zero, table, err = rows("--think-steps", "3", "--think-until", "0")
+    assert "| think until | mean steps |" in table and "| arc_easy | bpb | 3 | 1 | 0 | 3.00 |" in table
+    assert "at most 3 steps: 3.00 descent steps per scored token on average, at most 3" in err
+    huge, _, err = rows("--think-steps", "3", "--think-until", "1e30")
+    assert "1.00 descent steps per scored token" in err
+    for metric in ("acc", "bpb"):
+        assert zero[3, metric]["value"] == fixed[3, metric]["value"] and zero[3, metric]["mean_steps"] == 3
+        assert huge[3, metric]["value"] == fixed[1, metric]["value"] and huge[3, metric]["mean_steps"] == 1
+        assert huge[3, metric]["think_until"] == 1e30 and fixed[1, metric]["think_until"] is None
+    assert harness.scalar_tag(harness.Row(**zero[3, "bpb"])) == "downstream/arc_easy/bpb_think3_until0"
+
+
 def test_core_suite_runs_offline(trained_run, tmp_path):
     out = tmp_path / "core.json"
     # two documents per task: a standard error needs two
@@ -263,6 +323,7 @@ def test_bad_command_lines_are_refused(tmp_path, capsys):
                    "core, ebt_paper, nrgpt_paper", "lambada_openai")
     assert_refused(capsys, [tmp_path, "--tasks", "core", "--limit", 0], "--limit", ">= 1")
     assert_refused(capsys, [tmp_path, "--tasks", "core", "--think-steps", "2,0"], "--think-steps")
+    assert_refused(capsys, [tmp_path, "--tasks", "core", "--think-until", "-0.1"], "--think-until", ">= 0")
     assert_refused(capsys, [tmp_path, "--tasks", "core"], "no complete checkpoint")
     (tmp_path / "ckpt" / "step_00000002").mkdir(parents=True)  # a checkpoint whose write never finished
     assert_refused(capsys, [tmp_path, "--tasks", "core"], "no complete checkpoint")
@@ -274,6 +335,7 @@ def test_thinking_options_for_a_model_that_does_not_think_are_refused(trained_ru
     before = sorted(p.name for p in trained_run.rglob("*"))
     assert_refused(capsys, [trained_run, "--tasks", "arc_easy", "--think-steps", "1,2"], "gpt model does not think")
     assert_refused(capsys, [trained_run, "--tasks", "arc_easy", "--best-of", 4], "does not think")
+    assert_refused(capsys, [trained_run, "--tasks", "arc_easy", "--think-until", 0.1], "gpt model does not think")
     assert sorted(p.name for p in trained_run.rglob("*")) == before
 
 

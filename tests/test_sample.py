@@ -132,10 +132,58 @@ def test_ebt_think_options_reach_the_cached_descent():
     idx = tokens(model, length=8)
     with torch.no_grad():
         cached = model.next_token_logits(idx, DecodeCache(), steps=4, best_of=3)
-        direct = model.think(idx, steps=4, best_of=3, last_only=True).logits[:, -1]
+        # decoding gives every row the same 3 starting samples
+        candidate = model.initial_candidate(3, 1, idx.device, seeded=True).repeat_interleave(2, dim=0)
+        direct = model.think(idx, steps=4, best_of=3, last_only=True, candidate=candidate).logits[:, -1]
         default = model.next_token_logits(idx, DecodeCache())
     assert torch.allclose(cached, direct, atol=1e-10, rtol=0)
     assert not torch.allclose(cached, default)
+
+
+def think_until(model, prompts, new_tokens: int, tolerance: float, cached: bool):
+    """Greedy decoding of prompts [B, T0] with adaptive thinking (at most 6 steps): the logits
+    [B, new_tokens, V] and steps [B, new_tokens] of every generated token, through `decode` (a
+    decoding cache) or by recomputing the whole context for each token."""
+    steps_taken, logits = [], []
+
+    def greedy(token_logits):
+        logits.append(token_logits)
+        return token_logits.argmax(-1)
+
+    options = dict(steps=6, stop_tolerance=tolerance, steps_taken=steps_taken)
+    with torch.no_grad():
+        if cached:
+            list(decode(model, prompts, new_tokens, greedy, **options))
+        else:
+            idx = prompts
+            for _ in range(new_tokens):
+                idx = torch.cat([idx, greedy(model.next_token_logits(idx, **options))[:, None]], dim=1)
+    return torch.stack(logits, dim=1), torch.stack(steps_taken, dim=1)
+
+
+@pytest.mark.parametrize("name, tolerance", [("ebt", 0.1), ("ebt-step-conditioned", 0.4)])
+def test_ebt_thinking_until_settled_decodes_a_row_as_alone(name, tolerance):
+    """Adaptive thinking per token: a row's logits and steps are the same in a batch of two as
+    alone, with the decoding cache and without (ebt-step-conditioned adds Langevin noise at
+    eval: the same for every row); tolerance 0 is the fixed-step descent, a huge one stops
+    every token after one step."""
+    model = build_case(name)
+    prompts = tokens(model, batch=2, length=5)
+    batch, batch_steps = think_until(model, prompts, 6, tolerance, cached=True)
+    assert len(batch_steps.unique()) > 1  # tokens stopped after different step counts
+    for cached in (True, False):
+        for row in range(2):
+            alone, alone_steps = think_until(model, prompts[row:row + 1], 6, tolerance, cached)
+            assert torch.equal(alone_steps[0], batch_steps[row]), (cached, row)
+            assert_rounding_close(alone[0], batch[row])
+    zero = []
+    assert torch.equal(model.next_token_logits(prompts, steps=6, best_of=2, stop_tolerance=0.0, steps_taken=zero),
+                       model.next_token_logits(prompts, steps=6, best_of=2))
+    assert (zero[0] == 6).all()
+    one = []
+    assert torch.equal(model.next_token_logits(prompts, steps=6, stop_tolerance=1e30, steps_taken=one),
+                       model.next_token_logits(prompts, steps=1))
+    assert (one[0] == 1).all()
 
 
 def test_sample_logits_top_k_top_p_and_greedy():
@@ -240,7 +288,9 @@ def test_command_batch_is_deterministic_for_a_seed_and_slides_past_the_context(t
     (["--prompt", "a", "--top-p", "0"], "--top-p must be in (0, 1]"),
     (["--prompt", "a", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
     (["--prompt", "a", "--temperature", "-0.5"], "--temperature must be >= 0"),
-    (["--prompt", "a", "--think-steps", "3"], "--think-steps and --best-of apply to EBT models only"),
+    (["--prompt", "a", "--think-steps", "3"], "--think-steps, --best-of and --think-until apply to EBT models only"),
+    (["--prompt", "a", "--think-until", "0.1"], "is a gpt model"),
+    (["--prompt", "a", "--think-until", "-0.5"], "--think-until must be >= 0"),
     (["--prompt", "a", "--best-of", "2"], "is a gpt model"),
     (["--prompt", "\u4e2d"], "prompt 1: character '\u4e2d' is not in the char vocabulary"),
     ([], "give a prompt"),
@@ -252,12 +302,33 @@ def test_bad_input_is_one_line_and_prints_nothing(trained_run, args, message, ca
     assert captured.err.startswith("error: ") and captured.err.count("\n") == 1 and message in captured.err
 
 
-def test_command_thinks_with_the_ebt_options():
-    run = train_tiny("ebt-tiny", 1)
-    result = command(str(run), "--prompt", "ROMEO:", "--max-new-tokens", "6", "--temperature", "0",
+@pytest.fixture(scope="module")
+def ebt_run():
+    return train_tiny("ebt-tiny", 1)
+
+
+def test_command_thinks_with_the_ebt_options(ebt_run):
+    result = command(str(ebt_run), "--prompt", "ROMEO:", "--max-new-tokens", "6", "--temperature", "0",
                      "--think-steps", "3", "--best-of", "2")
     assert result.returncode == 0, result.stderr
-    assert result.stdout == greedy_text(run, "ROMEO:", 6, steps=3, best_of=2) + "\n"
+    assert result.stdout == greedy_text(ebt_run, "ROMEO:", 6, steps=3, best_of=2) + "\n"
+    assert "descent steps" not in result.stderr
+
+
+def test_command_thinks_until_the_energy_settles(ebt_run):
+    """--think-until: tolerance 0 samples the fixed-step text and says every token took the
+    cap; a huge tolerance stops every token after one step (and samples the one-step text)."""
+    args = [str(ebt_run), "--prompt", "ROMEO:", "--prompt", "JULIET:", "--max-new-tokens", "6", "--temperature", "0"]
+    fixed = command(*args, "--think-steps", "3")
+    zero = command(*args, "--think-steps", "3", "--think-until", "0")
+    assert zero.returncode == 0, zero.stderr
+    assert zero.stdout == fixed.stdout
+    assert "3.00 descent steps per generated token on average, at most 3 (of up to 3)" in zero.stderr
+    huge = command(*args, "--think-until", "1e30")
+    assert huge.returncode == 0, huge.stderr
+    assert huge.stderr.count("1.00 descent steps per generated token") == 1
+    one_step = greedy_text(ebt_run, "ROMEO:", 6, steps=1)
+    assert huge.stdout.split("--- prompt 2")[0] == "--- prompt 1, sample 1 ---\n" + one_step + "\n\n"
 
 
 def test_command_output_is_the_text_alone_for_a_zero_checkpoint():

@@ -3,8 +3,11 @@
 Requests become token sequences, sorted longest first and scored in batches of `batch_size`,
 right-padded (every family is causal, so padding after a row cannot change its scores). A
 sequence longer than the model's block keeps its last `block_size + 1` tokens. EBT scores with
-its inference descent (`think`), `think_steps` steps from `best_of` noise samples; its starting
-noise depends on the position only, so a request scores the same in any batch, on any rank."""
+its inference descent (`think`), `think_steps` steps from `best_of` noise samples, or with
+`think_until` at most that many, each position stopping once its energy settles; its starting
+and Langevin noise depend on the position only, so a request scores the same in any batch, on
+any rank. With `think_until` the adapter counts the descent steps of the scored tokens per task
+(`step_counts`)."""
 from __future__ import annotations
 
 import zlib
@@ -18,6 +21,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
 from data_pipeline.tokenizer import decode_padded
+from pretrain.models.ebt import StepCount
 
 TEXT_TOKENIZERS = ("gpt2",)
 """Tokenizers that can encode arbitrary English text (the char and ListOps vocabularies cannot)."""
@@ -30,28 +34,43 @@ class Request(NamedTuple):
     args: tuple
 
 
+def step_tasks(requests) -> list[str | None]:
+    """The task each request's descent steps count for: lm-eval's task name ("" for a caller's
+    own `Request`), or None for a request object already in the list, which counts once (lm-eval
+    pads a rank's share with copies of its last request)."""
+    seen: set[int] = set()
+    tasks = []
+    for request in requests:
+        tasks.append(None if id(request) in seen else getattr(request, "task_name", None) or "")
+        seen.add(id(request))
+    return tasks
+
+
 class HarnessModel(LM):
     def __init__(self, model: torch.nn.Module, tokenizer, *, batch_size: int = 8,
-                 think_steps: int | None = None, best_of: int = 1, split_over_ranks: bool = True,
-                 progress: bool = True):
+                 think_steps: int | None = None, best_of: int = 1, think_until: float | None = None,
+                 split_over_ranks: bool = True, progress: bool = True):
         """`model`: any family's model (eval mode is set per call); `tokenizer`: the one it was
-        trained with (encode -> ids, decode, eot_id). `think_steps`/`best_of` are EBT's
-        inference options (None: the model's n_steps). `split_over_ranks`: under
-        torch.distributed, lm-eval gives each rank a share of the documents and gathers the
+        trained with (encode -> ids, decode, eot_id). `think_steps`/`best_of`/`think_until` are
+        EBT's inference options (None: the model's n_steps; `think_until`: `think`'s
+        stop_tolerance, think_steps then being the most a position takes). `split_over_ranks`:
+        under torch.distributed, lm-eval gives each rank a share of the documents and gathers the
         metrics; False scores everything on every rank (identical calls, as ZeRO-3 needs)."""
         super().__init__()
         self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
         self.thinks = hasattr(model, "think")
-        if (think_steps is not None or best_of != 1) and not self.thinks:
-            raise ValueError(f"{type(model).__name__} does not think: think steps and best-of "
-                             "apply to EBT only")
-        self.think_steps, self.best_of, self.progress = think_steps, best_of, progress
+        if (think_steps is not None or best_of != 1 or think_until is not None) and not self.thinks:
+            raise ValueError(f"{type(model).__name__} does not think: think steps, best-of and "
+                             "think-until apply to EBT only")
+        self.think_steps, self.best_of, self.think_until, self.progress = think_steps, best_of, think_until, progress
         self.block_size = model.config.block_size
         self._device = next(model.parameters()).device
         if split_over_ranks and dist.is_initialized():
             self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
         self.tokens_scored = 0
         """Input tokens through the model so far (for throughput measurements)."""
+        self._steps_by_task: dict[str, StepCount] = {}
+        """With think_until: this rank's descent steps of the scored (or generated) tokens, per task."""
         self._noise: torch.Tensor | None = None
 
     # --- lm-eval's distributed hooks (the defaults are single-process no-ops) ---------------
@@ -69,6 +88,24 @@ class HarnessModel(LM):
     def barrier(self) -> None:
         dist.barrier()
 
+    def step_counts(self) -> dict[str, StepCount]:
+        """With think_until: the descent steps of the tokens scored so far, per task (lm-eval's
+        task names; "" for direct `Request`s), over every rank (a collective when split over
+        ranks)."""
+        if self.world_size == 1:
+            return self._steps_by_task
+        parts = [None] * self.world_size
+        dist.all_gather_object(parts, self._steps_by_task)
+        merged: dict[str, StepCount] = {}
+        for part in parts:
+            for task, count in part.items():
+                merged.setdefault(task, StepCount()).merge(count)
+        return merged
+
+    def _count_steps(self, task: str | None, steps_taken: torch.Tensor | None) -> None:
+        if task is not None and steps_taken is not None:
+            self._steps_by_task.setdefault(task, StepCount()).add(steps_taken)
+
     # --- scoring ----------------------------------------------------------------------------
 
     def encode(self, text: str) -> list[int]:
@@ -85,23 +122,30 @@ class HarnessModel(LM):
         context_ids = self.encode(stripped) if stripped else []
         return context_ids or [self.tokenizer.eot_id], whole[len(context_ids):]
 
-    def _logits(self, idx: torch.Tensor) -> torch.Tensor:
-        """[B, T, V] next-token logits of the model for ids [B, T] (EBT's are log-probabilities)."""
+    def _logits(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[B, T, V] next-token logits of the model for ids [B, T] (EBT's are log-probabilities),
+        and with think_until the descent steps [B, T] of each position."""
         if not self.thinks:
-            return self.model(idx).logits
+            return self.model(idx).logits, None
         if torch.is_inference_mode_enabled():
             raise RuntimeError("EBT predicts by gradient descent on its energy and cannot run under "
                                "torch.inference_mode(); call it under torch.no_grad() instead")
         if self._noise is None:  # [best_of, block, V]: row-independent starting candidates
             self._noise = self.model.initial_candidate(self.best_of, self.block_size, self.device, seeded=True)
-        candidate = self._noise[:, : idx.size(1)].repeat_interleave(idx.size(0), dim=0)
-        return self.model.think(idx, steps=self.think_steps, best_of=self.best_of,
-                                candidate=candidate).logits
+        rows, length = idx.shape
+        candidate = self._noise[:, :length].repeat_interleave(rows, dim=0)
+        langevin = self.model.shared_langevin(self.best_of, rows, length, self.block_size, self.device)
+        out = self.model.think(idx, steps=self.think_steps, best_of=self.best_of, candidate=candidate,
+                               langevin=langevin, stop_tolerance=self.think_until)
+        return out.logits, out.steps_taken
 
     @torch.no_grad()
-    def score(self, pairs: list[tuple[list[int], list[int]]], desc: str = "scoring") -> list[tuple[float, bool]]:
+    def score(self, pairs: list[tuple[list[int], list[int]]], desc: str = "scoring",
+              tasks: list[str | None] | None = None) -> list[tuple[float, bool]]:
         """(sum of log p(continuation | context), whether greedy decoding gives the
-        continuation) for each (context ids, continuation ids) pair."""
+        continuation) for each (context ids, continuation ids) pair; with think_until the
+        continuation's descent steps count for the pair's task (`step_tasks`; default "")."""
+        tasks = tasks or [""] * len(pairs)
         sequences = []
         for context, continuation in pairs:
             tokens = (context + continuation)[-(self.block_size + 1):]
@@ -119,11 +163,12 @@ class HarnessModel(LM):
                 for row, i in enumerate(batch):
                     tokens = sequences[i][0]
                     idx[row, : len(tokens) - 1] = torch.tensor(tokens[:-1])
-                logits = self._logits(idx.to(self.device))
+                logits, steps_taken = self._logits(idx.to(self.device))
                 self.tokens_scored += idx.numel()
                 for row, i in enumerate(batch):
                     tokens, n = sequences[i]
                     end = len(tokens) - 1
+                    self._count_steps(tasks[i], None if steps_taken is None else steps_taken[row, end - n:end])
                     targets = torch.tensor(tokens[end - n + 1:], device=self.device)
                     # normalised at the scored positions only: a [B, T, V] softmax would dominate
                     rows = F.log_softmax(logits[row, end - n:end].float(), dim=-1)
@@ -137,21 +182,22 @@ class HarnessModel(LM):
 
     def loglikelihood(self, requests) -> list[tuple[float, bool]]:
         pairs = [self.continuation_tokens(*request.args) for request in requests]
-        return self.score(pairs, desc="loglikelihood")
+        return self.score(pairs, desc="loglikelihood", tasks=step_tasks(requests))
 
     def loglikelihood_rolling(self, requests) -> list[float]:
         """Log-likelihood of whole documents, every token predicted once: disjoint windows of up
         to block_size predicted tokens, each after the tokens before it (the first after the
         end-of-document token)."""
-        pairs, owners = [], []
-        for n, request in enumerate(requests):
+        pairs, owners, tasks = [], [], []
+        for n, (request, task) in enumerate(zip(requests, step_tasks(requests))):
             windows = get_rolling_token_windows(self.encode(request.args[0]), prefix_token=self.tokenizer.eot_id,
                                                 max_seq_len=self.block_size, context_len=1)
             for window in windows:
                 pairs.append(make_disjoint_window(window))
                 owners.append(n)
+                tasks.append(task)
         totals = [0.0] * len(requests)
-        for n, (logprob, _) in zip(owners, self.score(pairs, desc="loglikelihood_rolling")):
+        for n, (logprob, _) in zip(owners, self.score(pairs, desc="loglikelihood_rolling", tasks=tasks)):
             totals[n] += logprob
         return totals
 
@@ -163,6 +209,7 @@ class HarnessModel(LM):
         or max_gen_toks. Sampling draws from a generator seeded by the row's prompt, so a
         continuation does not depend on its batch or rank."""
         outputs = [""] * len(requests)
+        tasks = step_tasks(requests)
         order = sorted(range(len(requests)), key=lambda i: -len(requests[i].args[0]))
         was_training = self.model.training
         self.model.eval()
@@ -170,13 +217,14 @@ class HarnessModel(LM):
             for start in tqdm(range(0, len(order), self.batch_size), desc="generate_until", leave=False,
                               disable=not self.progress or self.rank != 0):
                 batch = order[start:start + self.batch_size]
-                for i, text in zip(batch, self._generate([requests[i].args for i in batch])):
+                texts = self._generate([requests[i].args for i in batch], [tasks[i] for i in batch])
+                for i, text in zip(batch, texts):
                     outputs[i] = text
         finally:
             self.model.train(was_training)
         return outputs
 
-    def _generate(self, args: list[tuple[str, dict]]) -> list[str]:
+    def _generate(self, args: list[tuple[str, dict]], tasks: list[str | None]) -> list[str]:
         kwargs = dict(args[0][1])  # lm-eval batches a task's requests, which share their settings
         until = kwargs.get("until") or []
         until = [until] if isinstance(until, str) else list(until)
@@ -197,9 +245,12 @@ class HarnessModel(LM):
             idx = torch.zeros(len(live), width, dtype=torch.long)
             for r, w in enumerate(windows):
                 idx[r, : len(w)] = torch.tensor(w)
-            logits = self._logits(idx.to(self.device))
+            logits, steps_taken = self._logits(idx.to(self.device))
             self.tokens_scored += idx.numel()
-            last = logits[torch.arange(len(live)), torch.tensor([len(w) - 1 for w in windows])].float()
+            ends = torch.tensor([len(w) - 1 for w in windows])
+            last = logits[torch.arange(len(live)), ends].float()
+            for r, n in enumerate(live):
+                self._count_steps(tasks[n], None if steps_taken is None else steps_taken[r, ends[r]])
             if temperature > 0:
                 probs = (last / temperature).softmax(-1)
                 tokens = [torch.multinomial(probs[r], 1, generator=generators[n]) for r, n in enumerate(live)]

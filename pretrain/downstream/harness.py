@@ -24,6 +24,8 @@ import numpy as np
 import torch
 import yaml
 
+from pretrain.models.ebt import StepCount
+
 TASKS_DIR = Path(__file__).parent / "tasks"
 STOCK_TASK_DIRS = ("hellaswag", "arc", "piqa", "winogrande", "lambada", "mmlu/default")
 """The folders of lm-eval's own tasks that `tasks/` refers to (indexing all of them takes ~30 s)."""
@@ -58,6 +60,12 @@ class Row:
     """EBT: inference steps the values were measured at (None: the model's default)."""
     best_of: int = 1
     """EBT: noise samples per position, the lowest final energy kept."""
+    think_until: float | None = None
+    """EBT: each position's descent stopped once a step changed its energy by less than this
+    fraction of it (think_steps the most it took); None: every position took think_steps."""
+    mean_steps: float | None = None
+    """EBT with think_until: descent steps per scored token (generation: per generated token),
+    on average over the task's documents."""
     note: str = ""
 
 
@@ -222,12 +230,25 @@ def run(adapter, names: list[str], limit: int | None, bootstrap_iters: int = 100
         results = simple_evaluate(model=adapter, tasks=specs, limit=limit,
                                   task_manager=task_manager(), log_samples=True,
                                   bootstrap_iters=bootstrap_iters, verbosity="ERROR")
+    steps = None if adapter.think_until is None else adapter.step_counts()  # on every rank: a collective
     if results is None:
         return None
     rows = _rows(results, subset=NRGPT_SUBSET_NAME in names or "nrgpt_paper" in names)
     for row in rows:
         row.think_steps, row.best_of = adapter.think_steps, adapter.best_of
+        if steps is not None:
+            leaves = NRGPT_SUBSET if row.task == NRGPT_SUBSET_NAME else _leaves(results, row.task)
+            row.think_until, row.mean_steps = adapter.think_until, pooled_steps(steps, leaves).mean
     return rows
+
+
+def pooled_steps(steps: dict[str, StepCount], tasks) -> StepCount:
+    """The counts of `tasks` in `steps` (task -> count, `HarnessModel.step_counts`) as one."""
+    pooled = StepCount()
+    for task in tasks:
+        if task in steps:
+            pooled.merge(steps[task])
+    return pooled
 
 
 def _leaves(results: dict, name: str) -> list[str]:
@@ -302,12 +323,16 @@ def summary_rows(rows: list[Row]) -> list[Row]:
 def table(rows: list[Row]) -> str:
     from common.fileio import markdown_table
 
-    thinking = any(r.think_steps is not None or r.best_of != 1 for r in rows)
+    thinking = any(r.think_steps is not None or r.best_of != 1 or r.think_until is not None for r in rows)
+    adaptive = any(r.think_until is not None for r in rows)
     lines = []
     for r in summary_rows(rows):
         line = {"task": r.task, "metric": r.metric}
         if thinking:
             line.update({"think steps": r.think_steps, "best of": r.best_of})
+        if adaptive:
+            line.update({"think until": "" if r.think_until is None else f"{r.think_until:g}",
+                         "mean steps": "" if r.mean_steps is None else f"{r.mean_steps:.2f}"})
         line.update({"value": f"{r.value:.4f}", "stderr": "" if r.stderr is None else f"{r.stderr:.4f}",
                      "docs": r.docs, "note": r.note})
         lines.append(line)
@@ -316,12 +341,14 @@ def table(rows: list[Row]) -> str:
 
 def scalar_tag(row: Row) -> str:
     """TensorBoard tag `downstream/<task>/<metric>`, the metric suffixed with `_think<k>` (and
-    `_best<n>`) when EBT's inference options were set."""
+    `_best<n>`, `_until<tol>`) when EBT's inference options were set."""
     metric = row.metric
     if row.think_steps is not None:
         metric += f"_think{row.think_steps}"
     if row.best_of != 1:
         metric += f"_best{row.best_of}"
+    if row.think_until is not None:
+        metric += f"_until{row.think_until:g}"
     return f"downstream/{row.task}/{metric}"
 
 

@@ -198,9 +198,9 @@ def decode(model: LanguageModel, prompts: torch.Tensor, max_new_tokens: int,
     prompt is fed its prompt token instead of the chosen one, so every row stays at the same
     position. The longest prompt gets `max_new_tokens` chosen tokens (shorter ones get more).
     `choose(logits [B, V]) -> [B]` picks the tokens; `logit_options` go to
-    `next_token_logits` (EBT: steps, best_of). Once the sequence would pass the block size, every
-    token recomputes the last block_size tokens into a fresh cache (`on_slide` is called then,
-    once)."""
+    `next_token_logits` (EBT: steps, best_of, stop_tolerance, steps_taken). Once the sequence
+    would pass the block size, every token recomputes the last block_size tokens into a fresh
+    cache (`on_slide` is called then, once)."""
     block_size = model.config.block_size
     lengths = torch.tensor(prompt_lengths or [prompts.size(1)] * prompts.size(0), device=prompts.device)
     position = int(lengths.min())

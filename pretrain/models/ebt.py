@@ -345,7 +345,8 @@ class EnergyDescent(nn.Module):
                 anchor: torch.Tensor | None = None, targets: torch.Tensor | None = None,
                 alpha_scale: torch.Tensor | None = None, noise_std: float = 0.0,
                 learning: bool = False, final_energy: bool = False,
-                cache: DecodeCache | None = None, stop_tolerance: float | None = None) -> DescentResult:
+                cache: DecodeCache | None = None, stop_tolerance: float | None = None,
+                langevin: Callable[[], torch.Tensor] | None = None) -> DescentResult:
         """Descend `n_steps` from `candidate` [B, R, V], the initial logits of the last R
         positions of `idx` [B, T] (R = T for a whole sequence). `targets` [B, R] gives the
         per-step losses; `alpha_scale` [B, R, 1] multiplies the step size; `learning` builds the
@@ -357,6 +358,10 @@ class EnergyDescent(nn.Module):
         candidate (and loss) and takes no further step; the descent ends when all have stopped,
         or after n_steps. The energy after step t is the one step t + 1 computes anyway, so the
         positions still descending are untouched (tolerance 0: the fixed-step descent).
+
+        `langevin` (inference), called once per step, gives that step's unit Gaussian noise
+        [B, R, V] in place of draws from the global RNG, which depend on the batch's shape
+        (`EBT.shared_langevin`).
 
         `anchor`, in training, is an empty tensor that requires grad, added (as 0) to the
         observed embeddings, so its gradient is the last one the backward computes. DeepSpeed
@@ -396,7 +401,10 @@ class EnergyDescent(nn.Module):
                         *(tensor for kv in step_observed for tensor in kv),
                         *(p for p in self.parameters() if p.requires_grad))
                 else:
-                    y_next, energy, step_losses = self.step(y, step_observed, targets, alpha, settings)
+                    y_in = y
+                    if langevin is not None and noise_std:
+                        y_in, settings = y + noise_std * langevin(), settings._replace(noise_std=0.0)
+                    y_next, energy, step_losses = self.step(y_in, step_observed, targets, alpha, settings)
                     if descending is not None and t > 0:
                         settled = descending & energy_settled(energies[-1], energy, stop_tolerance)
                         steps_taken = torch.where(settled, t, steps_taken)
@@ -436,6 +444,33 @@ class ThinkOutput(NamedTuple):
     """[B, R] descent steps each position took (chosen samples), with a `stop_tolerance`."""
     token_losses: torch.Tensor | None = None
     """[steps, B, R] cross entropy per position after each step (chosen samples), given targets."""
+
+
+class StepCount:
+    """Descent steps taken by predicted positions, over any number of calls: adaptive thinking's
+    cost (`think` with a stop_tolerance)."""
+
+    def __init__(self):
+        self.steps = 0
+        """Steps summed over the positions counted."""
+        self.positions = 0
+        self.most = 0
+        """The most steps one position took."""
+
+    def add(self, steps_taken: torch.Tensor) -> None:
+        """Count the positions of `steps_taken` (any shape)."""
+        if steps_taken.numel():
+            self.steps += int(steps_taken.sum())
+            self.positions += steps_taken.numel()
+            self.most = max(self.most, int(steps_taken.max()))
+
+    def merge(self, other: StepCount) -> None:
+        self.steps, self.positions = self.steps + other.steps, self.positions + other.positions
+        self.most = max(self.most, other.most)
+
+    @property
+    def mean(self) -> float | None:
+        return self.steps / self.positions if self.positions else None
 
 
 # --- the replay buffer ----------------------------------------------------------------------
@@ -645,10 +680,25 @@ class EBT(LanguageModel):
         """[rows, length, V] Gaussian logits in at least float32 (the candidate stays wide
         when the model runs in bf16). Training draws from the global RNG; `seeded` draws
         from a generator seeded with eval_seed, so evaluation is reproducible."""
+        generator = torch.Generator(device=device).manual_seed(self.config.eval_seed) if seeded else None
+        return self.gaussian(rows, length, device, generator) * self.config.candidate_init_std
+
+    def gaussian(self, rows: int, length: int, device: torch.device,
+                 generator: torch.Generator | None) -> torch.Tensor:
+        """[rows, length, V] standard Gaussian noise in the candidate's dtype (at least float32)."""
         dtype = torch.promote_types(self.descent.energy_head.weight.dtype, torch.float32)
         shape = (rows, length, self.config.vocab_size)
-        generator = torch.Generator(device=device).manual_seed(self.config.eval_seed) if seeded else None
-        return torch.randn(shape, generator=generator, device=device, dtype=dtype) * self.config.candidate_init_std
+        return torch.randn(shape, generator=generator, device=device, dtype=dtype)
+
+    def shared_langevin(self, best_of: int, rows: int, length: int, span: int,
+                        device: torch.device) -> Callable[[], torch.Tensor]:
+        """The Langevin noise of an inference descent over `rows` rows of `length` positions that
+        gives a row the same noise in any batch (`think(langevin=)`): each step draws [best_of,
+        span, V] (span >= length, the positions a caller ever asks for, so that a position's
+        noise does not depend on the batch's length either) from a generator seeded with
+        eval_seed + 1, and every row takes its first `length` positions (sample-major)."""
+        generator = torch.Generator(device=device).manual_seed(self.config.eval_seed + 1)
+        return lambda: self.gaussian(best_of, span, device, generator)[:, :length].repeat_interleave(rows, dim=0)
 
     def sample_num_steps(self) -> int:
         """Training: uniform in [min_steps, n_steps] when randomised; n_steps otherwise."""
@@ -717,7 +767,8 @@ class EBT(LanguageModel):
     def think(self, idx: torch.Tensor, steps: int | None = None, best_of: int = 1,
               targets: torch.Tensor | None = None, last_only: bool = False,
               langevin_noise: bool | None = None, cache: DecodeCache | None = None,
-              candidate: torch.Tensor | None = None, stop_tolerance: float | None = None) -> ThinkOutput:
+              candidate: torch.Tensor | None = None, stop_tolerance: float | None = None,
+              langevin: Callable[[], torch.Tensor] | None = None) -> ThinkOutput:
         """Inference with `steps` descent steps (default n_steps; more is "thinking longer")
         from `best_of` seeded noise samples per position, keeping per position the sample with
         the lowest final energy. No training randomness; Langevin noise (seeded) if
@@ -725,7 +776,8 @@ class EBT(LanguageModel):
         each step (the eval "thinking curve"); `last_only` predicts only the last position; a
         decoding `cache` holding idx's tokens gives the observed stream of those it has run.
         `candidate` [best_of x B, R, V] (sample-major) replaces the seeded starting noise, e.g.
-        by noise that depends on the position only, so a row's result does not depend on its batch.
+        by noise that depends on the position only, so a row's result does not depend on its batch;
+        `langevin` does the same for the Langevin noise (`shared_langevin`).
         `stop_tolerance` stops each position's descent once its energy settles (see
         `EnergyDescent.forward`), and then `steps` is the most it may take."""
         steps = steps or self.config.n_steps
@@ -741,7 +793,7 @@ class EBT(LanguageModel):
         with self.eval_noise_rng(noise_std, idx.device):
             result = self.descent(idx.repeat(best_of, 1), candidate, steps, targets=targets,
                                   noise_std=noise_std, final_energy=True, cache=cache,
-                                  stop_tolerance=stop_tolerance)
+                                  stop_tolerance=stop_tolerance, langevin=langevin)
         choice = result.energies[-1].view(best_of, B, rows).argmin(dim=0)  # [B, rows]
 
         def chosen(x: torch.Tensor, sample_dim: int) -> torch.Tensor:
@@ -760,13 +812,25 @@ class EBT(LanguageModel):
                            loss_per_step, steps_taken, per_token)
 
     def next_token_logits(self, idx: torch.Tensor, cache: DecodeCache | None = None, steps: int | None = None,
-                          best_of: int = 1) -> torch.Tensor:
-        """Thinking with `steps` descent steps (default n_steps) from `best_of` candidates, for
-        the new position only: with a cache, the observed stream runs idx's tokens alone."""
+                          best_of: int = 1, stop_tolerance: float | None = None,
+                          steps_taken: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Thinking with `steps` descent steps (default n_steps; with a `stop_tolerance` the
+        most a row takes, see `think`) from `best_of` candidates, for the new position only:
+        with a cache, the observed stream runs idx's tokens alone. Every row starts from the
+        same seeded noise, and draws the same Langevin noise, so a row's logits do not depend on
+        its batch. With a stop_tolerance, `steps_taken` receives the [B] descent steps of this
+        call's rows."""
         if cache is not None:
             cache.remember(idx)
             idx = cache.tokens
-        return self.think(idx, steps, best_of, last_only=True, cache=cache).logits[:, -1, :]
+        rows = idx.size(0)
+        candidate = self.initial_candidate(best_of, 1, idx.device, seeded=True).repeat_interleave(rows, dim=0)
+        langevin = self.shared_langevin(best_of, rows, 1, 1, idx.device)
+        out = self.think(idx, steps, best_of, last_only=True, cache=cache, candidate=candidate,
+                         stop_tolerance=stop_tolerance, langevin=langevin)
+        if steps_taken is not None:
+            steps_taken.append(out.steps_taken[:, -1])
+        return out.logits[:, -1, :]
 
     def embedding_parameters(self) -> list[nn.Parameter]:
         """The input embedding and the candidate embedding W_ve (the two V x D tables)."""
