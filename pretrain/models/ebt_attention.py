@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import torch
 
+from pretrain.models.blocks import autocast_dtype, wide
+
 CPU_CHUNKS = 4
 """Row chunks on the CPU: more skip more masked keys but run more, smaller matmuls (4 measured
 fastest at T=256; 8 and 2 were 2-3% slower per training step)."""
@@ -95,17 +97,20 @@ class TwoStreamAttention(torch.autograd.Function):
         q, k, v, K, V = map(batched, inputs)
         R, T, scale = q.size(1), K.size(1), q.size(2) ** -0.5
         ctx.spans = causal_chunks(R, T, offset, chunks)
-        wide = torch.promote_types(q.dtype, torch.float32)
+        # the scores in at least float32 (bf16 would round them by up to 2^-9 of their size
+        # before the softmax); `out=` matmuls run in their operands' dtype also under autocast
+        q_wide, K_wide = wide(q), wide(K)
         # additive mask: row r hides observed keys after r + offset
-        hidden = torch.full((R, T), float("-inf"), dtype=q.dtype, device=q.device).triu(offset + 1)
-        self_scores = rowdot(q, k) * scale
+        hidden = torch.full((R, T), float("-inf"), dtype=q_wide.dtype, device=q.device).triu(offset + 1)
+        self_scores = rowdot(q_wide, wide(k)) * scale
         mixed, probs = [], []
         for r0, r1, e in ctx.spans:
             # [observed scores | self score] in one buffer, so one softmax covers both
-            scores = q.new_empty(q.size(0), r1 - r0, e + 1)
-            torch.baddbmm(hidden[r0:r1, :e], q[:, r0:r1], K[:, :e].transpose(1, 2), alpha=scale, out=scores[..., :e])
+            scores = q_wide.new_empty(q.size(0), r1 - r0, e + 1)
+            torch.baddbmm(hidden[r0:r1, :e], q_wide[:, r0:r1], K_wide[:, :e].transpose(1, 2), alpha=scale,
+                          out=scores[..., :e])
             scores[..., e:] = self_scores[:, r0:r1]
-            weights = scores.softmax(-1, dtype=wide)
+            weights = scores.softmax(-1)
             mixed.append(torch.bmm(weights[..., :e].to(q.dtype), V[:, :e]))
             probs.append(weights)
         out = torch.addcmul(joined(mixed), self_weights(probs, q.dtype), v).view(inputs[0].shape)
@@ -142,17 +147,17 @@ class TwoStreamAttentionGrad(torch.autograd.Function):
         gammas, probs = gammas_and_probs[:n], gammas_and_probs[n:]
         q_, k_, v_, K, V, out_ = map(batched, (q, k, v, k_obs, v_obs, out))
         T, scale = K.size(1), q_.size(2) ** -0.5
-        wide = probs[0].dtype
-        sigma_all, a_all = rowdot(G.to(wide), out_.to(wide)), rowdot(G.to(wide), v_.to(wide))
+        G_wide, V_wide = wide(G), wide(V)
+        sigma_all, a_all = rowdot(G_wide, wide(out_)), rowdot(G_wide, wide(v_))
         dq_obs, dK_parts, dV_parts, shifted_all, dS_all = [], [], [], [], []
         for (r0, r1, e), P, gamma in zip(spans, probs, gammas):
             G_r, sigma = G[:, r0:r1], sigma_all[:, r0:r1]
             if gamma is not None:
                 sigma = sigma + rowdot(P, gamma)
-            # A - sigma, the observed columns straight out of the matmul
-            shifted = q_.new_empty(q_.size(0), r1 - r0, e + 1)
-            torch.baddbmm(-sigma.to(q_.dtype), G_r, V[:, :e].transpose(1, 2), out=shifted[..., :e])
-            shifted = shifted.to(wide)
+            # A - sigma, the observed columns straight out of the matmul, in at least float32:
+            # sigma is the P-weighted mean of A, so the difference cancels
+            shifted = G_wide.new_empty(q_.size(0), r1 - r0, e + 1)
+            torch.baddbmm(-sigma, G_wide[:, r0:r1], V_wide[:, :e].transpose(1, 2), out=shifted[..., :e])
             shifted[..., e:] = a_all[:, r0:r1] - sigma
             if gamma is not None:
                 shifted += gamma
@@ -240,4 +245,7 @@ def two_stream_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_ob
     0..r + offset and to its own key, in one softmax (scale 1/sqrt(hd)), computed in `chunks`
     row chunks (None: `default_chunks` of the device). Differentiable twice on every device."""
     chunks = chunks or default_chunks(q.device)
+    compute = autocast_dtype(q.device)
+    if compute is not None:  # under autocast: rotated queries and keys in float32, values in bf16
+        q, k, v, k_obs, v_obs = (t.to(compute) for t in (q, k, v, k_obs, v_obs))
     return TwoStreamAttention.apply(q, k, v, k_obs, v_obs, offset, chunks)[0]
