@@ -148,6 +148,10 @@ class ScheduleSection:
     """Step at which the decay reaches `min_lr` (held afterwards); None: the end of the budget."""
 
 
+PRECISIONS = ("auto", "fp32", "bf16", "bf16-autocast", "fp16")
+"""The values of `train.precision`."""
+
+
 @dataclass
 class TrainSection:
     max_steps: int | None = None
@@ -162,7 +166,10 @@ class TrainSection:
     """"auto": a GPU when torch can use one, else the CPU; "cuda": a GPU, or stop with an error
     (a cluster run that silently trained on CPU in fp32 would waste its allocation)."""
     precision: str = "auto"
-    """"auto" (bf16 on GPU, fp32 on CPU), "fp32", "bf16" or "fp16" (GPU only)."""
+    """"auto" (bf16 on GPU, fp32 on CPU), "fp32", "bf16" (weights, activations and
+    gradients in bf16, DeepSpeed's bf16 mode, with fp32 master weights in the optimizer),
+    "bf16-autocast" (fp32 weights, gradients and optimizer, the forward's matmuls in bf16 under
+    torch.autocast, as nanoGPT trains) or "fp16" (GPU only)."""
     log_interval: int = 10
     """Optimizer steps between console lines and TensorBoard points."""
     max_consecutive_skips: int = 3
@@ -492,8 +499,8 @@ def validate(cfg: RunConfig, world_size: int, has_gpu: bool) -> None:
             "must be > 0 for the exponential schedule (it decays geometrically to it)")
 
     require(cfg.train.device in ("auto", "cuda"), "train.device", "must be 'auto' or 'cuda'")
-    require(cfg.train.precision in ("auto", "fp32", "bf16", "fp16"), "train.precision",
-            "must be 'auto', 'fp32', 'bf16' or 'fp16'")
+    require(cfg.train.precision in PRECISIONS, "train.precision",
+            "must be one of " + ", ".join(f"'{name}'" for name in PRECISIONS))
     require(has_gpu or cfg.train.precision != "fp16", "train.precision",
             "fp16 needs a GPU (DeepSpeed refuses it on CPU); use fp32 or bf16")
     require(cfg.zero.stage in (0, 1, 2, 3), "zero.stage", "must be 0, 1, 2 or 3")
