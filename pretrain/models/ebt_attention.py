@@ -19,8 +19,8 @@ is bound by its launches, so the number of chunks follows the device (`default_c
 
 Notation (per batch x head): S = scale q K^T + mask, s = scale q.k (self score), P, p = the
 softmax over [S, s], out = P V + p v. For an incoming gradient G of out and Gamma of (P, p):
-A = G V^T (+ Gamma), a = G.v, sigma = G.out (+ rowsum (P, p) * Gamma), and the score gradients
-are dS = P (A - sigma), ds = p (a - sigma)."""
+A = G V^T (+ Gamma), a = G.v, sigma = rowsum (P, p) * (A, a) (= G.out + rowsum (P, p) * Gamma),
+and the score gradients are dS = P (A - sigma), ds = p (a - sigma)."""
 from __future__ import annotations
 
 import torch
@@ -147,18 +147,19 @@ class TwoStreamAttentionGrad(torch.autograd.Function):
         gammas, probs = gammas_and_probs[:n], gammas_and_probs[n:]
         q_, k_, v_, K, V, out_ = map(batched, (q, k, v, k_obs, v_obs, out))
         T, scale = K.size(1), q_.size(2) ** -0.5
+        # A - sigma cancels (G.out is the P-weighted mean of A), so both sides are taken in at
+        # least float32 and from the float32 weights: sigma as rowsum(P A), not from the output,
+        # which was mixed from weights rounded to the model's dtype
         G_wide, V_wide = wide(G), wide(V)
-        sigma_all, a_all = rowdot(G_wide, wide(out_)), rowdot(G_wide, wide(v_))
+        a_all = rowdot(G_wide, wide(v_))
         dq_obs, dK_parts, dV_parts, shifted_all, dS_all = [], [], [], [], []
         for (r0, r1, e), P, gamma in zip(spans, probs, gammas):
-            G_r, sigma = G[:, r0:r1], sigma_all[:, r0:r1]
-            if gamma is not None:
-                sigma = sigma + rowdot(P, gamma)
-            # A - sigma, the observed columns straight out of the matmul, in at least float32:
-            # sigma is the P-weighted mean of A, so the difference cancels
+            G_r = G[:, r0:r1]
             shifted = G_wide.new_empty(q_.size(0), r1 - r0, e + 1)
-            torch.baddbmm(-sigma, G_wide[:, r0:r1], V_wide[:, :e].transpose(1, 2), out=shifted[..., :e])
-            shifted[..., e:] = a_all[:, r0:r1] - sigma
+            torch.bmm(G_wide[:, r0:r1], V_wide[:, :e].transpose(1, 2), out=shifted[..., :e])
+            shifted[..., e:] = a_all[:, r0:r1]
+            sigma = rowdot(P, shifted if gamma is None else shifted + gamma)
+            shifted -= sigma
             if gamma is not None:
                 shifted += gamma
             dS = (P * shifted).to(q_.dtype)
