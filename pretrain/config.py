@@ -392,6 +392,12 @@ def resolved_precision(cfg: RunConfig, has_gpu: bool) -> str:
     return cfg.train.precision
 
 
+def compute_precision(precision: str) -> str:
+    """The precision the matmuls of a run in `precision` run in (what picks the SDPA kernel and
+    the tensor-core peak): bf16 under bf16-autocast too."""
+    return "bf16" if precision == "bf16-autocast" else precision
+
+
 @dataclass(frozen=True)
 class BatchSplit:
     """How one optimizer step's global batch is split: global = micro x world x accumulation."""
@@ -441,7 +447,7 @@ def gpu_attention(cfg: RunConfig, config: Any = None) -> tuple[str, int, str] | 
     config = config or resolve(cfg.model.flavor, typed_model_overrides(cfg))
     if config.sdpa_head_dim is None:
         return None
-    precision = resolved_precision(cfg, has_gpu=True)
+    precision = compute_precision(resolved_precision(cfg, has_gpu=True))
     capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else (9, 0)
     kernel = sdpa_kernel(config.sdpa_head_dim, precision, capability, dropout=config.dropout > 0)
     return kernel, config.sdpa_head_dim, precision
