@@ -145,7 +145,7 @@ class TwoStreamAttentionGrad(torch.autograd.Function):
         G = batched(G).contiguous()
         n = len(gammas_and_probs) // 2
         gammas, probs = gammas_and_probs[:n], gammas_and_probs[n:]
-        q_, k_, v_, K, V, out_ = map(batched, (q, k, v, k_obs, v_obs, out))
+        q_, k_, v_, K, V = map(batched, (q, k, v, k_obs, v_obs))
         T, scale = K.size(1), q_.size(2) ** -0.5
         # A - sigma cancels (G.out is the P-weighted mean of A), so both sides are taken in at
         # least float32 and from the float32 weights: sigma as rowsum(P A), not from the output,
