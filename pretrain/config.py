@@ -166,10 +166,12 @@ class TrainSection:
     """"auto": a GPU when torch can use one, else the CPU; "cuda": a GPU, or stop with an error
     (a cluster run that silently trained on CPU in fp32 would waste its allocation)."""
     precision: str = "auto"
-    """"auto" (bf16 on GPU, fp32 on CPU), "fp32", "bf16" (weights, activations and
-    gradients in bf16, DeepSpeed's bf16 mode, with fp32 master weights in the optimizer),
-    "bf16-autocast" (fp32 weights, gradients and optimizer, the forward's matmuls in bf16 under
-    torch.autocast, as nanoGPT trains) or "fp16" (GPU only)."""
+    """"auto" (bf16 on GPU, fp32 on CPU: pure bf16, whose val losses at paper depth matched
+    bf16-autocast's and fp32's within the seed spread at half the weight memory;
+    docs/benchmarks.md), "fp32", "bf16" (weights, activations and gradients in bf16, DeepSpeed's
+    bf16 mode, with fp32 master weights in the optimizer), "bf16-autocast" (fp32 weights,
+    gradients and optimizer, the forward's matmuls in bf16 under torch.autocast, as the papers'
+    nanoGPT-style code trains) or "fp16" (GPU only)."""
     log_interval: int = 10
     """Optimizer steps between console lines and TensorBoard points."""
     max_consecutive_skips: int = 3
