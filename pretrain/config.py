@@ -148,6 +148,10 @@ class ScheduleSection:
     """Step at which the decay reaches `min_lr` (held afterwards); None: the end of the budget."""
 
 
+PRECISIONS = ("auto", "fp32", "bf16", "bf16-autocast", "fp16")
+"""The values of `train.precision`."""
+
+
 @dataclass
 class TrainSection:
     max_steps: int | None = None
@@ -162,7 +166,12 @@ class TrainSection:
     """"auto": a GPU when torch can use one, else the CPU; "cuda": a GPU, or stop with an error
     (a cluster run that silently trained on CPU in fp32 would waste its allocation)."""
     precision: str = "auto"
-    """"auto" (bf16 on GPU, fp32 on CPU), "fp32", "bf16" or "fp16" (GPU only)."""
+    """"auto" (bf16 on GPU, fp32 on CPU: pure bf16, whose val losses at paper depth matched
+    bf16-autocast's and fp32's within the seed spread at half the weight memory;
+    docs/benchmarks.md), "fp32", "bf16" (weights, activations and gradients in bf16, DeepSpeed's
+    bf16 mode, with fp32 master weights in the optimizer), "bf16-autocast" (fp32 weights,
+    gradients and optimizer, the forward's matmuls in bf16 under torch.autocast, as the papers'
+    nanoGPT-style code trains) or "fp16" (GPU only)."""
     log_interval: int = 10
     """Optimizer steps between console lines and TensorBoard points."""
     max_consecutive_skips: int = 3
@@ -390,6 +399,12 @@ def resolved_precision(cfg: RunConfig, has_gpu: bool) -> str:
     return cfg.train.precision
 
 
+def compute_precision(precision: str) -> str:
+    """The precision the matmuls of a run in `precision` run in (what picks the SDPA kernel and
+    the tensor-core peak): bf16 under bf16-autocast too."""
+    return "bf16" if precision == "bf16-autocast" else precision
+
+
 @dataclass(frozen=True)
 class BatchSplit:
     """How one optimizer step's global batch is split: global = micro x world x accumulation."""
@@ -439,7 +454,7 @@ def gpu_attention(cfg: RunConfig, config: Any = None) -> tuple[str, int, str] | 
     config = config or resolve(cfg.model.flavor, typed_model_overrides(cfg))
     if config.sdpa_head_dim is None:
         return None
-    precision = resolved_precision(cfg, has_gpu=True)
+    precision = compute_precision(resolved_precision(cfg, has_gpu=True))
     capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else (9, 0)
     kernel = sdpa_kernel(config.sdpa_head_dim, precision, capability, dropout=config.dropout > 0)
     return kernel, config.sdpa_head_dim, precision
@@ -497,8 +512,8 @@ def validate(cfg: RunConfig, world_size: int, has_gpu: bool) -> None:
             "must be > 0 for the exponential schedule (it decays geometrically to it)")
 
     require(cfg.train.device in ("auto", "cuda"), "train.device", "must be 'auto' or 'cuda'")
-    require(cfg.train.precision in ("auto", "fp32", "bf16", "fp16"), "train.precision",
-            "must be 'auto', 'fp32', 'bf16' or 'fp16'")
+    require(cfg.train.precision in PRECISIONS, "train.precision",
+            "must be one of " + ", ".join(f"'{name}'" for name in PRECISIONS))
     require(has_gpu or cfg.train.precision != "fp16", "train.precision",
             "fp16 needs a GPU (DeepSpeed refuses it on CPU); use fp32 or bf16")
     require(cfg.zero.stage in (0, 1, 2, 3), "zero.stage", "must be 0, 1, 2 or 3")

@@ -136,6 +136,11 @@ def deepspeed_config(cfg: RunConfig, world_size: int, precision: str) -> dict:
         "zero_optimization": zero_json,
         "bf16": {"enabled": precision == "bf16", "check_grad_overflow": True},
         "fp16": {"enabled": precision == "fp16"},
+        # bf16-autocast: fp32 weights, gradients and optimizer, the forward under torch.autocast
+        # (the engine enters it around each forward). No module's gradients are declared safe to
+        # reduce in bf16 (DeepSpeed's default would reduce every nn.Linear's in bf16).
+        "torch_autocast": {"enabled": precision == "bf16-autocast", "dtype": "bfloat16",
+                           "lower_precision_safe_modules": []},
         "data_types": data_types,
         # the optimizer is torch's AdamW with our parameter groups (or CPU Adam when offloading)
         "zero_allow_untested_optimizer": True,

@@ -33,8 +33,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from common.cli import ArgumentParser, run_command
-from pretrain.config import (ConfigError, RunConfig, batch_split, load_config, model_config, resolved_precision,
-                             validate)
+from pretrain.config import (ConfigError, RunConfig, batch_split, compute_precision, load_config, model_config,
+                             resolved_precision, validate)
 from pretrain.engine import deepspeed_config
 from pretrain.flops import peak_tflops
 from pretrain.models import FLAVORS, build, family_name
@@ -66,7 +66,10 @@ FRAGMENTATION = 0.10
 """Memory the caching allocator holds in blocks not in use at the peak, as a fraction of what the
 tensors need."""
 
-PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
+                    "bf16-autocast": torch.float32}
+"""The dtype activations are measured in. Under autocast (not available on the meta device) the
+matmuls' outputs are bf16 and the residual stream and norms fp32: measured as fp32, an upper bound."""
 
 
 @dataclass
@@ -423,7 +426,7 @@ def make_plan(config_path: str, cfg: RunConfig, gpus: int, gpu: str, find_larges
         budget = math.floor((capacity - RESERVED_BYTES) / (1 + FRAGMENTATION)) - static
         largest = largest_fitting(activations, budget, per_process, measured)
     flops_per_token = model.flops_per_token(seq_len, training=True)
-    peak = peak_tflops(GPUS[gpu].name, precision)
+    peak = peak_tflops(GPUS[gpu].name, compute_precision(precision))
     step_time = None
     if peak is not None:
         seconds = flops_per_token * cfg.tokens_per_step / (gpus * peak * 1e12)
@@ -480,7 +483,7 @@ def describe(plan: Plan, cfg: RunConfig) -> str:
     else:
         fast, slow = plan.step_time_s
         lines.append(f"step time: {fast:.3f}-{slow:.3f} s at {MFU_RANGE[0]:.0%}-{MFU_RANGE[1]:.0%} of "
-                     f"{peak_tflops(GPUS[plan.gpu].name, plan.precision):g} TFLOP/s per GPU")
+                     f"{peak_tflops(GPUS[plan.gpu].name, compute_precision(plan.precision)):g} TFLOP/s per GPU")
     return "\n".join(lines)
 
 

@@ -33,8 +33,8 @@ import yaml
 from common.cli import ArgumentParser, write_exit_file
 from common.fileio import atomic_write_text
 from pretrain.checkpoint import CheckpointError, CheckpointManager, ResumeState, data_identity
-from pretrain.config import (ConfigError, RunConfig, batch_split, describe_attention, describe_batch_split,
-                             load_config, model_config, resolved_precision, to_dict, validate)
+from pretrain.config import (ConfigError, RunConfig, batch_split, compute_precision, describe_attention,
+                             describe_batch_split, load_config, model_config, resolved_precision, to_dict, validate)
 from pretrain.engine import (configure_device_math, deepspeed_config, distributed_env, initialize,
                              seed_process, training_device)
 from pretrain.evaluate import EvalResult, evaluate, evaluate_downstream
@@ -158,9 +158,8 @@ class Trainer:
         self.spikes = SpikeGuard.for_run(cfg.train, family_name(self.model_config))
         self.spikes.install(self.engine)
         device_name = torch.cuda.get_device_name(self.device) if self.on_gpu else None
-        self.throughput = Throughput(self.flops_per_token, self.world_size,
-                                     cfg.train.peak_tflops or peak_tflops(device_name, self.precision),
-                                     self.on_gpu)
+        peak = cfg.train.peak_tflops or peak_tflops(device_name, compute_precision(self.precision))
+        self.throughput = Throughput(self.flops_per_token, self.world_size, peak, self.on_gpu)
 
     # --- checkpoints ----------------------------------------------------------------------
 

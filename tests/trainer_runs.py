@@ -34,12 +34,14 @@ EXTRA_CELLS = {
                                          "model.overrides.dropout_placement=attention", "optimizer.decay=nanogpt"]),
     "gpt_bf16": ("gpt-tiny", 2, ["train.precision=bf16", "zero.overlap_comm=true",
                                  "zero.reduce_bucket_size=5000", "zero.allgather_bucket_size=5000"]),
+    "ebt_autocast": ("ebt-tiny", 2, ["train.precision=bf16-autocast"]),
 }
 """Beyond families x stages, under ZeRO-2 (flavor, stage, overrides): EBT's S2 recipe (random
 step counts and step sizes, Langevin noise also at eval, a replay buffer that differs per rank,
 decay on all but alpha), NRGPT with the released code's dropout placement and nanoGPT's
-decay set, and the OpenWebText configs' ZeRO-2 (bf16 with fp32 gradient accumulation,
-reductions overlapped with backward in several buckets)."""
+decay set, the OpenWebText configs' ZeRO-2 (bf16 with fp32 gradient accumulation,
+reductions overlapped with backward in several buckets), and EBT under autocast (fp32 weights,
+bf16 matmuls, its second-order descent inside torch.autocast)."""
 N_STEPS = 12
 """Steps of every test run; checkpoints every CKPT_INTERVAL steps."""
 CKPT_INTERVAL = 4

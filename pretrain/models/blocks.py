@@ -2,6 +2,7 @@
 config fields, token + position embedding, the final-norm readout and the loss."""
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -34,6 +35,25 @@ def dropout_module(p: float) -> nn.Module:
     """nn.Dropout(p), or nn.Identity at p = 0: a dropout call that does nothing still costs
     ~10 us on CPU, more than a matmul of one decoded token at the tiny widths."""
     return nn.Dropout(p) if p > 0 else nn.Identity()
+
+
+def wide(t: torch.Tensor) -> torch.Tensor:
+    """t in at least float32: a bf16 tensor upcast, a float32 or float64 one as it is."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype torch.autocast runs matmuls in on `device` (train.precision=bf16-autocast), or
+    None outside autocast (the meta device, which `pretrain.plan` runs on, has none)."""
+    if device.type in ("cpu", "cuda") and torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return None
+
+
+def no_autocast(device: torch.device) -> contextlib.AbstractContextManager:
+    """A context in which matmuls run in their operands' dtype also under torch.autocast, for
+    the few results that bf16 would spoil."""
+    return torch.autocast(device.type, enabled=False) if autocast_dtype(device) else contextlib.nullcontext()
 
 
 def maybe_checkpoint(enabled: bool, fn: Callable, *args):

@@ -39,7 +39,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pretrain.models.blocks import check_choice, check_positive, maybe_checkpoint
+from pretrain.models.blocks import check_choice, check_positive, maybe_checkpoint, no_autocast
 from pretrain.models.common import DecodeCache, LanguageModel, ModelOutput
 from pretrain.models.descent_plumbing import CheckpointedStep, StepSettings, seeded_rng
 from pretrain.models.ebt_attention import two_stream_attention
@@ -329,8 +329,11 @@ class EnergyDescent(nn.Module):
         # dE/dp through the embedding by hand: autograd.grad w.r.t. p would need p to require
         # grad, and the training backward would then also differentiate the loss w.r.t. p
         grad_embedded, = torch.autograd.grad(energy.sum(), embedded, create_graph=second_order)
-        with torch.set_grad_enabled(second_order):
-            grad = (grad_embedded @ table.t()).to(probs.dtype)
+        # in the candidate's dtype (at least float32), also when the model runs in bf16: the
+        # candidate moves by alpha (500 in S1) times these, and it is their differences across
+        # the vocabulary that matter, which bf16's rounding of each (2^-9 of its size) swamps
+        with torch.set_grad_enabled(second_order), no_autocast(probs.device):
+            grad = grad_embedded.to(probs.dtype) @ table.t().to(probs.dtype)
         if self.config.grad_wrt == "probs":
             y = probs - alpha * grad
         else:  # dE/dy = softmax's Jacobian (symmetric) times dE/dp

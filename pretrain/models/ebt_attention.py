@@ -19,11 +19,13 @@ is bound by its launches, so the number of chunks follows the device (`default_c
 
 Notation (per batch x head): S = scale q K^T + mask, s = scale q.k (self score), P, p = the
 softmax over [S, s], out = P V + p v. For an incoming gradient G of out and Gamma of (P, p):
-A = G V^T (+ Gamma), a = G.v, sigma = G.out (+ rowsum (P, p) * Gamma), and the score gradients
-are dS = P (A - sigma), ds = p (a - sigma)."""
+A = G V^T (+ Gamma), a = G.v, sigma = rowsum (P, p) * (A, a) (= G.out + rowsum (P, p) * Gamma),
+and the score gradients are dS = P (A - sigma), ds = p (a - sigma)."""
 from __future__ import annotations
 
 import torch
+
+from pretrain.models.blocks import autocast_dtype, wide
 
 CPU_CHUNKS = 4
 """Row chunks on the CPU: more skip more masked keys but run more, smaller matmuls (4 measured
@@ -95,17 +97,20 @@ class TwoStreamAttention(torch.autograd.Function):
         q, k, v, K, V = map(batched, inputs)
         R, T, scale = q.size(1), K.size(1), q.size(2) ** -0.5
         ctx.spans = causal_chunks(R, T, offset, chunks)
-        wide = torch.promote_types(q.dtype, torch.float32)
+        # the scores in at least float32 (bf16 would round them by up to 2^-9 of their size
+        # before the softmax); `out=` matmuls run in their operands' dtype also under autocast
+        q_wide, K_wide = wide(q), wide(K)
         # additive mask: row r hides observed keys after r + offset
-        hidden = torch.full((R, T), float("-inf"), dtype=q.dtype, device=q.device).triu(offset + 1)
-        self_scores = rowdot(q, k) * scale
+        hidden = torch.full((R, T), float("-inf"), dtype=q_wide.dtype, device=q.device).triu(offset + 1)
+        self_scores = rowdot(q_wide, wide(k)) * scale
         mixed, probs = [], []
         for r0, r1, e in ctx.spans:
             # [observed scores | self score] in one buffer, so one softmax covers both
-            scores = q.new_empty(q.size(0), r1 - r0, e + 1)
-            torch.baddbmm(hidden[r0:r1, :e], q[:, r0:r1], K[:, :e].transpose(1, 2), alpha=scale, out=scores[..., :e])
+            scores = q_wide.new_empty(q.size(0), r1 - r0, e + 1)
+            torch.baddbmm(hidden[r0:r1, :e], q_wide[:, r0:r1], K_wide[:, :e].transpose(1, 2), alpha=scale,
+                          out=scores[..., :e])
             scores[..., e:] = self_scores[:, r0:r1]
-            weights = scores.softmax(-1, dtype=wide)
+            weights = scores.softmax(-1)
             mixed.append(torch.bmm(weights[..., :e].to(q.dtype), V[:, :e]))
             probs.append(weights)
         out = torch.addcmul(joined(mixed), self_weights(probs, q.dtype), v).view(inputs[0].shape)
@@ -140,20 +145,21 @@ class TwoStreamAttentionGrad(torch.autograd.Function):
         G = batched(G).contiguous()
         n = len(gammas_and_probs) // 2
         gammas, probs = gammas_and_probs[:n], gammas_and_probs[n:]
-        q_, k_, v_, K, V, out_ = map(batched, (q, k, v, k_obs, v_obs, out))
+        q_, k_, v_, K, V = map(batched, (q, k, v, k_obs, v_obs))
         T, scale = K.size(1), q_.size(2) ** -0.5
-        wide = probs[0].dtype
-        sigma_all, a_all = rowdot(G.to(wide), out_.to(wide)), rowdot(G.to(wide), v_.to(wide))
+        # A - sigma cancels (G.out is the P-weighted mean of A), so both sides are taken in at
+        # least float32 and from the float32 weights: sigma as rowsum(P A), not from the output,
+        # which was mixed from weights rounded to the model's dtype
+        G_wide, V_wide = wide(G), wide(V)
+        a_all = rowdot(G_wide, wide(v_))
         dq_obs, dK_parts, dV_parts, shifted_all, dS_all = [], [], [], [], []
         for (r0, r1, e), P, gamma in zip(spans, probs, gammas):
-            G_r, sigma = G[:, r0:r1], sigma_all[:, r0:r1]
-            if gamma is not None:
-                sigma = sigma + rowdot(P, gamma)
-            # A - sigma, the observed columns straight out of the matmul
-            shifted = q_.new_empty(q_.size(0), r1 - r0, e + 1)
-            torch.baddbmm(-sigma.to(q_.dtype), G_r, V[:, :e].transpose(1, 2), out=shifted[..., :e])
-            shifted = shifted.to(wide)
-            shifted[..., e:] = a_all[:, r0:r1] - sigma
+            G_r = G[:, r0:r1]
+            shifted = G_wide.new_empty(q_.size(0), r1 - r0, e + 1)
+            torch.bmm(G_wide[:, r0:r1], V_wide[:, :e].transpose(1, 2), out=shifted[..., :e])
+            shifted[..., e:] = a_all[:, r0:r1]
+            sigma = rowdot(P, shifted if gamma is None else shifted + gamma)
+            shifted -= sigma
             if gamma is not None:
                 shifted += gamma
             dS = (P * shifted).to(q_.dtype)
@@ -240,4 +246,7 @@ def two_stream_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_ob
     0..r + offset and to its own key, in one softmax (scale 1/sqrt(hd)), computed in `chunks`
     row chunks (None: `default_chunks` of the device). Differentiable twice on every device."""
     chunks = chunks or default_chunks(q.device)
+    compute = autocast_dtype(q.device)
+    if compute is not None:  # under autocast: rotated queries and keys in float32, values in bf16
+        q, k, v, k_obs, v_obs = (t.to(compute) for t in (q, k, v, k_obs, v_obs))
     return TwoStreamAttention.apply(q, k, v, k_obs, v_obs, offset, chunks)[0]

@@ -18,7 +18,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pretrain.models.blocks import LearnedPositionLM, LMConfig, check_choice, check_positive, maybe_checkpoint
+from pretrain.models.blocks import (LearnedPositionLM, LMConfig, check_choice, check_positive, maybe_checkpoint,
+                                    no_autocast, wide)
 from pretrain.models.common import DecodeCache, KVSlot
 from pretrain.models.registry import register_family, register_flavor
 
@@ -155,18 +156,22 @@ class EnergyAttention(nn.Module):
         return torch.cat([t.new_zeros(B, H, 1, d), t], dim=2)
 
     def masked_scores(self, q, k) -> torch.Tensor:
+        """[B, H, T, T] scores in at least float32: `full` heads (beta 1) have scores of std ~15
+        at init, which bf16 would round by up to 1/16, an error of 6% in each attention weight."""
         B, H, T, d = k.shape
+        q, k = wide(q), wide(k)
         # the causal mask as an additive -inf bias: its backward passes the gradient through
         # untouched (masked_fill would zero the masked entries again, which the softmax's
         # backward has already made zero), and for lowrank it is fused into the matmul
         future = torch.full((T, T), float("-inf"), dtype=q.dtype, device=q.device).triu(1)
-        if self.lowrank:
-            scores = torch.baddbmm(future, q.reshape(B * H, T, d), k.reshape(B * H, T, d).transpose(1, 2),
-                                   alpha=self.beta)
-            return scores.view(B, H, T, T)
-        # q is g expanded over the heads (beta = 1): one [T, D] x [D, H T] matmul per
-        # sequence, instead of a batched matmul that would first copy g for every head
-        scores = (q[:, 0] @ k.flatten(1, 2).transpose(1, 2)).unflatten(-1, (H, T)).transpose(1, 2)
+        with no_autocast(q.device):
+            if self.lowrank:
+                scores = torch.baddbmm(future, q.reshape(B * H, T, d), k.reshape(B * H, T, d).transpose(1, 2),
+                                       alpha=self.beta)
+                return scores.view(B, H, T, T)
+            # q is g expanded over the heads (beta = 1): one [T, D] x [D, H T] matmul per
+            # sequence, instead of a batched matmul that would first copy g for every head
+            scores = (q[:, 0] @ k.flatten(1, 2).transpose(1, 2)).unflatten(-1, (H, T)).transpose(1, 2)
         return scores + future
 
     def weighted(self, t: torch.Tensor) -> torch.Tensor:
@@ -189,8 +194,9 @@ class EnergyAttention(nn.Module):
         p_self = None
         if self.explicit:
             # The scores as a tensor: the same FLOPs as attention, O(T^2) memory per head, no
-            # fused kernel. (torch's softmax accumulates bf16 in float32, as the fused kernels.)
-            p = torch.softmax(self.masked_scores(q_seen, k_seen), dim=-1)
+            # fused kernel. (Scores and softmax in float32, the weights mixed in the keys' dtype,
+            # as the fused kernels do.)
+            p = torch.softmax(self.masked_scores(q_seen, k_seen), dim=-1).to(k_seen.dtype)
             if dropout:
                 p = F.dropout(p, dropout)
             mixed, p_self = MixAndSelfWeight.apply(p, k_seen)
@@ -270,19 +276,23 @@ def normal_cdf_pdf(u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class GeluAndSlope(torch.autograd.Function):
     """GELU (exact, erf form) and its derivative Phi(u) + u phi(u) in one pass, with a
     hand-written backward (GELU'' = phi(u) (2 - u^2)) that keeps only u: autograd tracing the
-    formula would keep several hD-wide intermediates per step (a third more peak memory)."""
+    formula would keep several hD-wide intermediates per step (a third more peak memory).
+    Computed in at least float32 and returned in u's dtype: for u < 0 the slope is a difference
+    of nearly equal terms, and bf16's Phi (1 + erf) is off by up to 2^-9 in absolute terms."""
 
     @staticmethod
     def forward(ctx, u):
-        cdf, pdf = normal_cdf_pdf(u)
         ctx.save_for_backward(u)
-        return u * cdf, cdf + u * pdf
+        u_wide = wide(u)
+        cdf, pdf = normal_cdf_pdf(u_wide)
+        return (u_wide * cdf).to(u.dtype), (cdf + u_wide * pdf).to(u.dtype)
 
     @staticmethod
     def backward(ctx, grad_value, grad_slope):
         (u,) = ctx.saved_tensors
-        cdf, pdf = normal_cdf_pdf(u)  # recomputed: cheaper than keeping two more [.., hD] tensors
-        return grad_value * (cdf + u * pdf) + grad_slope * pdf * (2.0 - u * u)
+        u_wide = wide(u)
+        cdf, pdf = normal_cdf_pdf(u_wide)  # recomputed: cheaper than keeping two more [.., hD] tensors
+        return (grad_value * (cdf + u_wide * pdf) + grad_slope * pdf * (2.0 - u_wide * u_wide)).to(u.dtype)
 
 
 def act_and_slope(u: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
