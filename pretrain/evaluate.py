@@ -33,6 +33,8 @@ import torch.distributed as dist
 
 from common.cli import ArgumentParser, run_command
 from pretrain.config import DownstreamSection, EvalSection
+from pretrain.models import family_name
+from pretrain.models.probes import never_rising, rank_correlation, read_out_each_step, state_energies
 
 
 DEPTH_READOUT_BUDGET = 0.05
@@ -105,25 +107,20 @@ class DescentProbe:
     `pretrain.dynamics` measures these, and more, over many batches after training."""
 
     def __init__(self, model: torch.nn.Module, seq_len: int, batches: int):
-        from pretrain.models import family_name
-
         self.model, self.family = model, family_name(model.config)
         self.totals: torch.Tensor | None = None
         if self.family != "ebt":
-            extra = model.config.n_steps * model.readout_flops(training=False)  # per token read out at every step
-            stride = math.ceil(extra / (DEPTH_READOUT_BUDGET * batches * model.flops_per_token(seq_len, training=False)))
+            extra = model.config.n_steps * model.readout_flops(training=False)  # a token read out at every step
+            budget = DEPTH_READOUT_BUDGET * batches * model.flops_per_token(seq_len, training=False)
+            stride = math.ceil(extra / budget)
             self.positions = slice(stride - 1, None, stride)
 
     @staticmethod
     def applies(model: torch.nn.Module, settings: EvalSection) -> bool:
-        from pretrain.models import family_name
-
         return settings.dynamics and family_name(model.config) in ("gpt_rec", "nrgpt", "ebt")
 
     def forward(self, engine, inputs: torch.Tensor, targets: torch.Tensor):
         """The evaluation's forward of a gpt_rec or NRGPT model, read out after every step."""
-        from pretrain.models.probes import never_rising, read_out_each_step, state_energies
-
         nrgpt = self.family == "nrgpt"
         with read_out_each_step(self.model, targets, self.positions) as record:
             out = engine(inputs, targets, return_energies=nrgpt)
@@ -138,8 +135,6 @@ class DescentProbe:
 
     def think(self, thought, targets: torch.Tensor) -> None:
         """An EBT's thinking on the batch (`think` with targets): the rank correlation."""
-        from pretrain.models.probes import rank_correlation
-
         after = min(self.model.config.n_steps, thought.token_losses.size(0))
         valid = targets != -1
         self.totals = rank_correlation(thought.energies[after][valid], thought.token_losses[after - 1][valid]

@@ -165,6 +165,5 @@ class LearnedPositionLM(LanguageModel):
         loss = None
         if targets is not None:
             # at least float32 for the softmax, also when the model runs in bf16
-            wide = torch.promote_types(logits.dtype, torch.float32)
-            loss = F.cross_entropy(logits.flatten(0, 1).to(wide), targets.flatten(), ignore_index=-1)
+            loss = F.cross_entropy(wide(logits).flatten(0, 1), targets.flatten(), ignore_index=-1)
         return ModelOutput(loss=loss, logits=logits, diagnostics=diagnostics)

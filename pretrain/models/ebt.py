@@ -39,7 +39,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pretrain.models.blocks import check_choice, check_positive, maybe_checkpoint, no_autocast
+from pretrain.models.blocks import check_choice, check_positive, maybe_checkpoint, no_autocast, wide
 from pretrain.models.common import DecodeCache, LanguageModel, ModelOutput
 from pretrain.models.descent_plumbing import CheckpointedStep, StepSettings, seeded_rng
 from pretrain.models.ebt_attention import two_stream_attention
@@ -201,8 +201,7 @@ def energy_settled(before: torch.Tensor, after: torch.Tensor, tolerance: float) 
 
 def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Per-token cross entropy [B, R] in at least float32; ignored targets (-1) give 0."""
-    wide = torch.promote_types(logits.dtype, torch.float32)
-    return F.cross_entropy(logits.flatten(0, 1).to(wide), targets.flatten(), ignore_index=-1,
+    return F.cross_entropy(wide(logits).flatten(0, 1), targets.flatten(), ignore_index=-1,
                            reduction="none").view(targets.shape)
 
 
@@ -651,7 +650,7 @@ def take_legacy_replay_buffers(model: EBT, state_dict: dict, prefix: str, *_) ->
         logits = legacy["replay_candidates"]
         state = {"top_k": 0, "next": int(legacy["replay_next"]), "tokens": legacy["replay_tokens"],
                  "targets": legacy["replay_targets"], "lengths": legacy["replay_lengths"],
-                 "logits": logits.to(torch.promote_types(logits.dtype, torch.float32))}
+                 "logits": wide(logits)}
         model.replay_store.load_state_dict(state, model.descent.energy_head.weight.device)
 
 

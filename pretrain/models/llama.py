@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pretrain.models.blocks import (CHECKPOINTING_MODES, check_choice, check_positive, dropout_module,
-                                    maybe_checkpoint)
+                                    maybe_checkpoint, wide)
 from pretrain.models.common import DecodeCache, LanguageModel, ModelOutput
 from pretrain.models.registry import register_family, register_flavor
 
@@ -94,9 +94,9 @@ def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: t
     (half-split layout: channel c pairs with channel c + head_dim / 2; the sin of the first
     half is negated, see `apply_rotary`). The angles are computed in float32 (float64 for
     float64 models) before casting, so bf16 models keep exact positions."""
-    wide = torch.promote_types(dtype, torch.float32)
-    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=positions.device, dtype=wide) / head_dim)
-    angles = positions.to(wide)[:, None] * inv_freq[None, :]
+    angle_dtype = torch.promote_types(dtype, torch.float32)
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=positions.device, dtype=angle_dtype) / head_dim)
+    angles = positions.to(angle_dtype)[:, None] * inv_freq[None, :]
     sin = angles.sin()
     return torch.cat([angles, angles], dim=-1).cos().to(dtype), torch.cat([-sin, sin], dim=-1).to(dtype)
 
@@ -257,8 +257,7 @@ class TransformerPP(LanguageModel):
         loss = None
         if targets is not None:
             # at least float32 for the softmax, also when the model runs in bf16
-            wide = torch.promote_types(logits.dtype, torch.float32)
-            loss = F.cross_entropy(logits.flatten(0, 1).to(wide), targets.flatten(), ignore_index=-1)
+            loss = F.cross_entropy(wide(logits).flatten(0, 1), targets.flatten(), ignore_index=-1)
         return ModelOutput(loss=loss, logits=logits)
 
     def embedding_parameters(self) -> list[nn.Parameter]:

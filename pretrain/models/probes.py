@@ -10,6 +10,7 @@ from typing import Callable, Iterator
 import torch
 import torch.nn as nn
 
+from pretrain.models.blocks import wide
 from pretrain.models.ebt import token_losses
 
 MONOTONE_SLACK = 64
@@ -39,8 +40,7 @@ def after_each_step(model: nn.Module, on_step: Callable[[torch.Tensor, torch.Ten
 
 def relative_update(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
     """[B, T] ||x_{s+1} - x_s|| / ||x_s|| per token, in float32 at least."""
-    wide = torch.promote_types(before.dtype, torch.float32)
-    return (after - before).to(wide).norm(dim=-1) / before.to(wide).norm(dim=-1)
+    return wide(after - before).norm(dim=-1) / wide(before).norm(dim=-1)
 
 
 def readout_losses(model: nn.Module, state: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -82,9 +82,9 @@ def state_energies(entering: torch.Tensor, record: dict) -> torch.Tensor:
 def never_rising(energies: torch.Tensor, transient: int) -> torch.Tensor:
     """[N...] whether each token's energy (`energies` [S + 1, N...], states 0..S) never rises
     from state `transient` on (by more than MONOTONE_SLACK roundings)."""
-    wide = energies.double()
-    slack = MONOTONE_SLACK * torch.finfo(torch.float32).eps * wide.abs().amax(dim=0)
-    return ~(wide[transient + 1:] - wide[transient:-1] > slack).any(dim=0)
+    exact = energies.double()
+    slack = MONOTONE_SLACK * torch.finfo(torch.float32).eps * exact.abs().amax(dim=0)
+    return ~(exact[transient + 1:] - exact[transient:-1] > slack).any(dim=0)
 
 
 def average_ranks(values: torch.Tensor) -> torch.Tensor:
