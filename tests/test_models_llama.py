@@ -1,6 +1,7 @@
 """Transformer++ (the Llama-style backbone): equality with an independently written Llama
 forward (complex-number rotary, explicit masked attention, SwiGLU), the rotary embedding's
-relative-position property, RMSNorm, parameter counts and FLOPs."""
+relative-position property, RMSNorm (and its hand-written second derivatives), the joined
+projections EBT runs, parameter counts and FLOPs."""
 import math
 
 import pytest
@@ -8,7 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from pretrain.models import build, resolve
-from pretrain.models.llama import RMSNorm, RotaryCache, TransformerPPConfig, apply_rotary, rotary_tables
+from pretrain.models.llama import (Block, RMSNorm, RotaryCache, SecondOrderRMSNorm, TransformerPPConfig, apply_rotary,
+                                   rotary_tables)
+from tests.numerics import assert_rounding_close
 
 
 def tiny(**overrides):
@@ -87,6 +90,71 @@ def test_rmsnorm_formula_and_bf16_stays_close_to_float32():
     expected = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight
     assert torch.allclose(norm(x), expected, atol=1e-5)
     assert torch.allclose(norm.bfloat16()(x.bfloat16()).float(), expected, atol=0.05, rtol=0.02)
+
+
+def norm_input(dtype=torch.float64):
+    torch.manual_seed(0)
+    norm = RMSNorm(8, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    return norm, (torch.randn(2, 5, 8, dtype=dtype) * 3).requires_grad_()
+
+
+def test_second_order_rmsnorm_has_autograds_first_and_second_derivatives():
+    norm, x = norm_input()
+    # gradcheck and gradgradcheck against finite differences, both cotangents of the gradient
+    # (dx, dw) random; the descent's pattern below has only dx's
+    assert torch.autograd.gradgradcheck(lambda x, w: SecondOrderRMSNorm.apply(x, w, 1e-5), (x, norm.weight))
+    results = []
+    for second_order in (True, False):
+        norm.zero_grad()
+        x.grad = None
+        y = norm(x, second_order)
+        dx, = torch.autograd.grad(y, x, torch.cos(torch.arange(y.numel(), dtype=y.dtype)).view_as(y),
+                                  create_graph=True)
+        (dx.pow(2).sum() + (dx * y).sum()).backward()
+        results.append((y, dx, x.grad, norm.weight.grad))
+    for got, expected in zip(*results):
+        assert_rounding_close(got, expected)
+
+
+def test_second_order_rmsnorm_in_bf16_rounds_once_from_float32():
+    """bf16 in, bf16 out, computed in float32 (as torch's kernel): within a few bf16 roundings
+    of the float64 values of the same (bf16) inputs."""
+    norm, x = norm_input()
+    norm_bf16 = RMSNorm(8, eps=1e-5).bfloat16()
+    with torch.no_grad():
+        norm.weight.copy_(norm.weight.bfloat16())
+        norm_bf16.weight.copy_(norm.weight)
+        x.copy_(x.bfloat16())
+    outputs = []
+    for module, inputs in ((norm, x), (norm_bf16, x.detach().bfloat16().requires_grad_())):
+        y = module(inputs, second_order=True)
+        dx, = torch.autograd.grad(y, inputs, torch.ones_like(y), create_graph=True)
+        dx.pow(2).sum().backward()
+        outputs.append((y, dx, inputs.grad, module.weight.grad))
+    for expected, got in zip(*outputs):
+        assert got.dtype == torch.bfloat16
+        assert_rounding_close(got.double(), expected, ulps=8, rounded_in=torch.bfloat16)
+
+
+def test_joined_projections_compute_the_separate_ones():
+    """EBT's blocks join the q/k/v and w1/w3 weights into one matmul each: outputs and
+    gradients equal those of the separate projections to rounding."""
+    config = TransformerPPConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16)
+    torch.manual_seed(0)
+    joined = Block(config, joined_projections=True).double()
+    separate = Block(config).double()
+    separate.load_state_dict(joined.state_dict())
+    rope = RotaryCache(config.head_dim, config.rope_theta, 16)(0, 16, torch.zeros((), dtype=torch.float64))
+    x = torch.randn(3, 16, 16, dtype=torch.float64)
+    results = []
+    for block in (joined, separate):
+        out, k, v = block(x, rope)
+        (out.square().sum() + k.sum() + v.sum()).backward()
+        results.append([out, k, v, *(p.grad for p in block.parameters())])
+    for got, expected in zip(*results):
+        assert_rounding_close(got, expected)
 
 
 def test_block_checkpointing_is_exact():

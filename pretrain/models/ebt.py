@@ -233,7 +233,7 @@ class EnergyDescent(nn.Module):
         self.tok_embeddings = nn.Embedding(V, D)
         self.candidate_embedding = None if config.expected_embedding else nn.Linear(V, D, bias=False)
         self.time_embeddings = nn.Embedding(config.n_step_embeddings, D) if config.time_embed else None
-        self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.layers = nn.ModuleList(Block(config, joined_projections=True) for _ in range(config.n_layer))
         self.norm = RMSNorm(D, config.norm_eps)
         self.energy_head = nn.Linear(D, 1, bias=False)
         # shape [1], not 0-d: DeepSpeed broadcasts parameters as byte views, which 0-d tensors refuse
@@ -259,6 +259,7 @@ class EnergyDescent(nn.Module):
             step_index = idx.new_full((idx.size(0), 1), min(step, self.config.n_step_embeddings - 1))
             x = torch.cat([self.time_embeddings(step_index), x], dim=1)
         rope = self.rope(0, x.size(1), x)
+        x = x.flatten(0, 1)  # one [B T, D] matrix, as in `energy`
         checkpointed = self.config.activation_checkpointing == "block"
         observed = []
         for layer in self.layers[:-1]:
@@ -297,18 +298,22 @@ class EnergyDescent(nn.Module):
             return self.tok_embeddings.weight
         return self.candidate_embedding.weight.t()
 
-    def energy(self, embedded: torch.Tensor, observed: list, first_row: int) -> torch.Tensor:
+    def energy(self, embedded: torch.Tensor, observed: list, first_row: int,
+               second_order: bool = False) -> torch.Tensor:
         """Energies [B, R] of the embedded candidates p @ W_ve [B, R, D] of positions
-        first_row .. first_row + R - 1."""
+        first_row .. first_row + R - 1; `second_order`: the training descent will differentiate
+        the energy's gradient (the norms then take their hand-written derivatives). The rows
+        run as one [B R, D] matrix: the linear layers then run their matmuls without the
+        reshapes around each (ATen ops in every pass: this loop runs three)."""
         n_prefix = self.config.n_prefix
         rope = self.rope(first_row + 1 + n_prefix, embedded.size(1), embedded)
         checkpointed = self.config.activation_checkpointing == "block"
-        x = embedded
+        x = embedded.flatten(0, 1)
         for layer, (k_obs, v_obs) in zip(self.layers, observed):
             attend = functools.partial(stream_attention("predicted"), k_obs=k_obs, v_obs=v_obs,
                                        offset=first_row + n_prefix, chunks=self.config.attention_chunks)
-            x = maybe_checkpoint(checkpointed, layer, x, rope, attend)[0]
-        return self.energy_head(self.norm(x)).squeeze(-1)
+            x = maybe_checkpoint(checkpointed, layer, x, rope, attend, second_order)[0]
+        return self.energy_head(self.norm(x, second_order)).view(embedded.shape[:2])
 
     def step(self, y: torch.Tensor, observed: list, targets: torch.Tensor | None, alpha: torch.Tensor,
              settings: StepSettings):
@@ -323,8 +328,8 @@ class EnergyDescent(nn.Module):
         embedded = probs.to(table.dtype) @ table
         if not embedded.requires_grad:  # a frozen table
             embedded.requires_grad_()
-        energy = self.energy(embedded, observed, settings.first_row)
         second_order = settings.second_order
+        energy = self.energy(embedded, observed, settings.first_row, second_order)
         # dE/dp through the embedding by hand: autograd.grad w.r.t. p would need p to require
         # grad, and the training backward would then also differentiate the loss w.r.t. p
         grad_embedded, = torch.autograd.grad(energy.sum(), embedded, create_graph=second_order)

@@ -44,6 +44,17 @@ def rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a * b).sum(-1, keepdim=True)
 
 
+def rows(t: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
+    """Rows r0..r1 of [B * H, rows, ...]; t itself when that is all of it (one chunk), where a
+    slice would still run an ATen op."""
+    return t if r0 == 0 and r1 == t.size(1) else t[:, r0:r1]
+
+
+def keys(t: torch.Tensor, e: int) -> torch.Tensor:
+    """The first e observed keys of [B * H, keys, ...] (t itself when those are all)."""
+    return t if e == t.size(1) else t[:, :e]
+
+
 def causal_chunks(n_rows: int, n_keys: int, offset: int, chunks: int) -> list[tuple[int, int, int]]:
     """(first row, end row, visible observed keys) of each of (at most) `chunks` chunks: row r
     sees keys 0..r + offset, so a chunk needs the keys up to its last row's."""
@@ -107,11 +118,12 @@ class TwoStreamAttention(torch.autograd.Function):
         for r0, r1, e in ctx.spans:
             # [observed scores | self score] in one buffer, so one softmax covers both
             scores = q_wide.new_empty(q.size(0), r1 - r0, e + 1)
-            torch.baddbmm(hidden[r0:r1, :e], q_wide[:, r0:r1], K_wide[:, :e].transpose(1, 2), alpha=scale,
+            mask = hidden if (r0, r1, e) == (0, R, T) else hidden[r0:r1, :e]
+            torch.baddbmm(mask, rows(q_wide, r0, r1), keys(K_wide, e).transpose(1, 2), alpha=scale,
                           out=scores[..., :e])
-            scores[..., e:] = self_scores[:, r0:r1]
+            scores[..., e:] = rows(self_scores, r0, r1)
             weights = scores.softmax(-1)
-            mixed.append(torch.bmm(weights[..., :e].to(q.dtype), V[:, :e]))
+            mixed.append(torch.bmm(weights[..., :e].to(q.dtype), keys(V, e)))
             probs.append(weights)
         out = torch.addcmul(joined(mixed), self_weights(probs, q.dtype), v).view(inputs[0].shape)
         ctx.save_for_backward(*inputs, out, *probs)
@@ -154,18 +166,18 @@ class TwoStreamAttentionGrad(torch.autograd.Function):
         a_all = rowdot(G_wide, wide(v_))
         dq_obs, dK_parts, dV_parts, shifted_all, dS_all = [], [], [], [], []
         for (r0, r1, e), P, gamma in zip(spans, probs, gammas):
-            G_r = G[:, r0:r1]
+            G_r = rows(G, r0, r1)
             shifted = G_wide.new_empty(q_.size(0), r1 - r0, e + 1)
-            torch.bmm(G_wide[:, r0:r1], V_wide[:, :e].transpose(1, 2), out=shifted[..., :e])
-            shifted[..., e:] = a_all[:, r0:r1]
+            torch.bmm(rows(G_wide, r0, r1), keys(V_wide, e).transpose(1, 2), out=shifted[..., :e])
+            shifted[..., e:] = rows(a_all, r0, r1)
             sigma = rowdot(P, shifted if gamma is None else shifted + gamma)
             shifted -= sigma
             if gamma is not None:
                 shifted += gamma
             dS = (P * shifted).to(q_.dtype)
-            dq_obs.append(torch.bmm(dS[..., :e], K[:, :e]))
+            dq_obs.append(torch.bmm(dS[..., :e], keys(K, e)))
             if wanted_obs[0]:
-                dK_parts.append(torch.bmm(dS[..., :e].transpose(1, 2), q_[:, r0:r1]))
+                dK_parts.append(torch.bmm(dS[..., :e].transpose(1, 2), rows(q_, r0, r1)))
             if wanted_obs[1]:
                 dV_parts.append(torch.bmm(P[..., :e].to(q_.dtype).transpose(1, 2), G_r))
             shifted_all.append(shifted)
@@ -199,26 +211,26 @@ class TwoStreamAttentionGrad(torch.autograd.Function):
         g_pself = rowdot(gv, G) if gv is not None else zero  # through dv = p G
         g_K_parts, g_V_parts, g_G_obs, g_q_obs, g_sigma, g_a, g_probs = [], [], [], [], [], [], []
         for (r0, r1, e), P, shifted, dS in zip(ctx.spans, probs, shifted_all, dS_all):
-            G_r, q_r = G[:, r0:r1], q[:, r0:r1]
+            G_r, q_r = rows(G, r0, r1), rows(q, r0, r1)
             g_dS = q.new_zeros(q.size(0), r1 - r0, e + 1)
             if gq is not None:
-                g_dS[..., :e].baddbmm_(gq[:, r0:r1], K[:, :e].transpose(1, 2), alpha=scale)
-                g_K_parts.append(torch.bmm(dS[..., :e].transpose(1, 2), gq[:, r0:r1]))
+                g_dS[..., :e].baddbmm_(rows(gq, r0, r1), keys(K, e).transpose(1, 2), alpha=scale)
+                g_K_parts.append(torch.bmm(dS[..., :e].transpose(1, 2), rows(gq, r0, r1)))
             if gK is not None:
-                g_dS[..., :e].baddbmm_(q_r, gK[:, :e].transpose(1, 2), alpha=scale)
-                g_q_obs.append(torch.bmm(dS[..., :e], gK[:, :e]))
-            g_dS[..., e:] = g_ds[:, r0:r1] if g_ds.dim() else 0
+                g_dS[..., :e].baddbmm_(q_r, keys(gK, e).transpose(1, 2), alpha=scale)
+                g_q_obs.append(torch.bmm(dS[..., :e], keys(gK, e)))
+            g_dS[..., e:] = rows(g_ds, r0, r1) if g_ds.dim() else 0
             g_dS = g_dS.to(P.dtype)
             # dS = P (A - sigma): cotangents of P (handed to TwoStreamAttention) and of A
             g_P = g_dS * shifted
             g_A_wide = g_dS * P
             g_A = g_A_wide.to(q.dtype)
-            g_G_r = torch.bmm(g_A[..., :e], V[:, :e])
+            g_G_r = torch.bmm(g_A[..., :e], keys(V, e))
             if gv is not None:
-                g_P[..., e:] += g_pself[:, r0:r1]
+                g_P[..., e:] += rows(g_pself, r0, r1)
             if gV is not None:
-                g_P[..., :e].baddbmm_(G_r, gV[:, :e].transpose(1, 2))
-                g_G_r.baddbmm_(P[..., :e].to(q.dtype), gV[:, :e])
+                g_P[..., :e].baddbmm_(G_r, keys(gV, e).transpose(1, 2))
+                g_G_r.baddbmm_(P[..., :e].to(q.dtype), keys(gV, e))
             g_G_obs.append(g_G_r)
             g_V_parts.append(torch.bmm(g_A[..., :e].transpose(1, 2), G_r))
             g_sigma.append(g_A_wide.sum(-1, keepdim=True))  # sigma enters A - sigma negated
