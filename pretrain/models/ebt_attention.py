@@ -34,7 +34,7 @@ fastest at T=256; 8 and 2 were 2-3% slower per training step)."""
 
 def default_chunks(device: torch.device) -> int:
     """Row chunks on `device`: CPU_CHUNKS on the CPU, where the matmuls' arithmetic dominates;
-    one elsewhere. A GPU step is launch-bound (each chunk adds about 60 ATen ops per layer and
+    one elsewhere. A GPU step is launch-bound (each chunk adds about 120 ATen ops per layer and
     descent step), and one chunk computes the whole [rows, keys] square (1.6x the area of 4
     chunks). The meta device stands for the GPU: `pretrain.plan` measures its memory there."""
     return CPU_CHUNKS if device.type == "cpu" else 1
