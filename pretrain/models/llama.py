@@ -103,7 +103,9 @@ class SecondOrderRMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps):
         y, r = torch._fused_rms_norm(x, (x.size(-1),), weight, eps)  # r in float32 for bf16 x
-        ctx.save_for_backward(x, weight, r)
+        # r as [..., 1] whatever shape the device's kernel gives it: a flat [rows] would
+        # broadcast against the width instead of the rows
+        ctx.save_for_backward(x, weight, r.view(*x.shape[:-1], 1))
         return y
 
     @staticmethod
