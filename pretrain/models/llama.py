@@ -214,22 +214,20 @@ class Attention(nn.Module):
         self.wv = nn.Linear(D, D, bias=False)
         self.wo = nn.Linear(D, D, bias=False)
 
-    def _heads(self, h: torch.Tensor, T: int, *linears: nn.Linear) -> torch.Tensor:
-        """h [B, T, D] or [B T, D] through each of `linears`, as heads [len(linears), B, H, T,
-        head_dim], contiguous: the heads' matmuls (EBT's attention runs many per call) would
-        otherwise copy the transposed views. With `joined_projections` the weights are joined
-        into one matmul (see `Block`)."""
-        if self.joined_projections:
-            projected = F.linear(h, torch.cat([linear.weight for linear in linears]))
-        else:
-            projected = torch.cat([linear(h) for linear in linears], -1)
-        D = h.size(-1)
-        return projected.view(-1, T, len(linears), self.n_head, D // self.n_head).permute(2, 0, 3, 1, 4).contiguous()
-
     def _rotated(self, h: torch.Tensor, rope: Rope, *linears: nn.Linear) -> tuple[torch.Tensor, ...]:
-        """`_heads` of h, all rotated in one call but the last (the values), which is copied
-        out: as a view it would keep the unrotated heads alive until the backward."""
-        heads = self._heads(h, rope[0].size(0), *linears)
+        """h [B, T, D] or [B T, D] through each of `linears`, as heads [B, H, T, head_dim], all
+        rotated but the last (the values). Contiguous: the heads' matmuls (EBT's attention runs
+        many per call) would otherwise copy the transposed views. With `joined_projections` the
+        weights run as one matmul and the heads are transposed and rotated in one call each
+        (see `Block`); the values are then copied out, as a view would keep the unrotated heads
+        alive until the backward."""
+        T, D = rope[0].size(0), h.size(-1)
+        H, hd = self.n_head, D // self.n_head
+        if not self.joined_projections:
+            *rotated, values = (linear(h).view(-1, T, H, hd).transpose(1, 2).contiguous() for linear in linears)
+            return (*(apply_rotary(t, rope) for t in rotated), values)
+        projected = F.linear(h, torch.cat([linear.weight for linear in linears]))
+        heads = projected.view(-1, T, len(linears), H, hd).permute(2, 0, 3, 1, 4).contiguous()
         return (*apply_rotary(heads[:-1], rope), heads[-1].clone())
 
     def keys_values(self, h: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
@@ -265,8 +263,9 @@ class Block(nn.Module):
     `joined_projections` (EBT): q/k/v, and w1/w3, each run as one matmul of their weights joined
     at call time (same parameters and checkpoints). EBT cannot be compiled and differentiates
     every projection three times per descent step; joined, its S1 step runs 12% fewer ATen ops
-    (GEMMs, head transposes, gradient sums), each a launch on a GPU. Transformer++ keeps a module call per weight: torch.compile
-    schedules its step, and ZeRO-3 gathers its weights module by module."""
+    (GEMMs, head transposes, gradient sums), each a launch on a GPU. Transformer++ keeps a
+    module call per weight: torch.compile schedules its step, and ZeRO-3 gathers its weights
+    module by module."""
 
     def __init__(self, config: LlamaConfig, joined_projections: bool = False):
         super().__init__()
