@@ -15,6 +15,7 @@ from numerics import assert_rounding_close
 from pretrain.config import ConfigError, load_config, resolved_precision, validate
 from pretrain.engine import deepspeed_config
 from pretrain.models import build, resolve
+from pretrain.models.common import KVSlot
 from pretrain.models.descent_plumbing import StepSettings
 from pretrain.models.ebt_attention import TwoStreamAttention
 from pretrain.models.nrgpt import EnergyAttention, GeluAndSlope, NRGPTConfig
@@ -52,6 +53,28 @@ def test_nrgpt_attention_scores_are_float32(attention, autocast):
     assert scores.dtype == torch.float32
     visible = torch.isfinite(expected)
     assert_rounding_close(scores[visible].double(), expected[visible], rounded_in=torch.float32)
+
+
+def test_nrgpt_decoding_scores_are_float32():
+    """The decoding cache's explicit scores (`mix_cached`: sampling and evaluation) are float32
+    products, as the training paths' are. Full heads score g_A J_h g_B from the bf16 values
+    themselves, so against float64 on the same values each attention weight (here the self
+    weights p_AA of the exact gradient) is rounded once to bf16. Scores of std ~20 rounded to
+    bf16 moved them by up to 23% here."""
+    D, H, T = 64, 2, 16
+    torch.manual_seed(0)
+    attn = EnergyAttention(NRGPTConfig(n_embd=D, n_head=H, attention="full", grad_mode="exact"))
+    with torch.no_grad():
+        attn.key.weight.normal_(0.0, 0.02)
+    attn = attn.bfloat16().requires_grad_(False)
+    attn64 = copy.deepcopy(attn).double()
+    g = bf16_values(2, T, D, scale=4.0, seed=3)
+    _, mixed, p_self = attn.mix_cached(g, KVSlot())
+    _, _, expected = attn64.mix_cached(g.double(), KVSlot())
+    scores = attn64.masked_scores(*attn64.project(g.double()))
+    assert scores[torch.isfinite(scores)].std() > 10  # the regime where bf16 scores would hurt
+    assert mixed.dtype == p_self.dtype == torch.bfloat16
+    assert ((p_self.double() - expected).abs() <= BF16_EPS * expected).all()
 
 
 def test_gelu_and_slope_round_once_to_bf16():

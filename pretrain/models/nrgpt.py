@@ -229,17 +229,22 @@ class EnergyAttention(nn.Module):
         if self.lowrank:
             q, k = self.project(g)
             (keys,) = cache.append(k)
-            scores = (q @ keys.transpose(-1, -2)) * self.beta
         else:
             q = g.unsqueeze(1).expand(B, self.n_head, n, D)
             per_head = self.key.weight.view(self.n_head, D, D)  # head h's rows: J_h^T
             (keys,) = cache.append(g.unsqueeze(1))
-            scores = (g.unsqueeze(1) @ per_head) @ keys.transpose(-1, -2)  # beta = 1
+        # the scores and their softmax in at least float32, as `masked_scores`; the weights mix
+        # the keys in the keys' dtype
+        with no_autocast(g.device):
+            if self.lowrank:
+                scores = (wide(q) @ wide(keys).transpose(-1, -2)) * self.beta
+            else:
+                scores = (wide(g).unsqueeze(1) @ wide(per_head)) @ wide(keys).transpose(-1, -2)  # beta = 1
         query_positions = torch.arange(first, first + n, device=g.device)[:, None]
         key_positions = torch.arange(keys.size(2), device=g.device)
         visible = key_positions < query_positions if self.strict else key_positions <= query_positions
         p = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
-        p = torch.where(visible.any(-1, keepdim=True), p, 0.0)  # strict: token 0 has no keys
+        p = torch.where(visible.any(-1, keepdim=True), p, 0.0).to(keys.dtype)  # strict: token 0 has no keys
         mixed = p @ keys
         if not self.lowrank:
             mixed = mixed @ per_head.transpose(-1, -2)
