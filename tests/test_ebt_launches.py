@@ -57,6 +57,18 @@ def training_step(model, idx: torch.Tensor) -> torch.Tensor:
     return loss.detach()
 
 
+def counted_step(chunks: int) -> tuple[torch.nn.Module, torch.Tensor, int]:
+    """(model, loss, ATen ops) of an S1 training step at `chunks`, on the same tokens, after a
+    first step that builds the rotary tables."""
+    torch.manual_seed(1)
+    idx = torch.randint(0, 256, (2, 64))
+    model = s1_model(chunks)
+    training_step(model, idx)
+    with AtenOps() as counter:
+        loss = training_step(model, idx)
+    return model, loss, counter.total
+
+
 OPS_BEFORE = 5485
 """ATen ops of `training_step` on `s1_model` at one chunk's GPU path before the launch work
 (commit 3fbf6cb: 4 row chunks on every device, one matmul per projection, autograd's RMSNorm),
@@ -65,29 +77,15 @@ measured again there."""
 
 
 def test_an_s1_training_step_runs_at_most_half_its_former_ops():
-    torch.manual_seed(1)
-    idx = torch.randint(0, 256, (2, 64))
-    model = s1_model(GPU_CHUNKS)
-    training_step(model, idx)
-    with AtenOps() as counter:
-        training_step(model, idx)
-    assert 2 * counter.total <= OPS_BEFORE, (counter.total, OPS_BEFORE)
+    _, _, ops = counted_step(GPU_CHUNKS)
+    assert 2 * ops <= OPS_BEFORE, (ops, OPS_BEFORE)
 
 
 def test_gpu_chunking_cuts_the_ops_of_an_s1_training_step_with_the_same_loss_and_gradients():
     """The whole step's count includes the backbone's linear layers, norms and rotary
-    embeddings (two-thirds of the GPU path's ops), which the chunking leaves as they are."""
-    torch.manual_seed(1)
-    idx = torch.randint(0, 256, (2, 64))
-    models = {chunks: s1_model(chunks) for chunks in (CPU_CHUNKS, GPU_CHUNKS)}
-    ops, losses = {}, {}
-    for chunks, model in models.items():
-        training_step(model, idx)  # the rotary tables are built on the first call
-        with AtenOps() as counter:
-            losses[chunks] = training_step(model, idx)
-        ops[chunks] = counter.total
-    assert ops[CPU_CHUNKS] >= 1.3 * ops[GPU_CHUNKS], ops
-    assert_rounding_close(losses[GPU_CHUNKS], losses[CPU_CHUNKS])
-    gpu, cpu = models[GPU_CHUNKS], models[CPU_CHUNKS]
+    embeddings (most of the GPU path's ops), which the chunking leaves as they are."""
+    (gpu, gpu_loss, gpu_ops), (cpu, cpu_loss, cpu_ops) = counted_step(GPU_CHUNKS), counted_step(CPU_CHUNKS)
+    assert cpu_ops >= 1.3 * gpu_ops, (cpu_ops, gpu_ops)
+    assert_rounding_close(gpu_loss, cpu_loss)
     for (name, got), expected in zip(gpu.named_parameters(), cpu.parameters()):
         assert_rounding_close(got.grad, expected.grad, msg=name)

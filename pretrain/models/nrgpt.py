@@ -226,19 +226,18 @@ class EnergyAttention(nn.Module):
         mix sum_B p_AB J_h^T g_B = J_h^T (sum_B p_AB g_B), so J_h moves to the new token's side."""
         B, n, D = g.shape
         first = cache.length
+        # the scores and their softmax in at least float32, as `masked_scores`; the weights mix
+        # the keys in the keys' dtype
         if self.lowrank:
             q, k = self.project(g)
             (keys,) = cache.append(k)
+            with no_autocast(g.device):
+                scores = (wide(q) @ wide(keys).transpose(-1, -2)) * self.beta
         else:
             q = g.unsqueeze(1).expand(B, self.n_head, n, D)
             per_head = self.key.weight.view(self.n_head, D, D)  # head h's rows: J_h^T
             (keys,) = cache.append(g.unsqueeze(1))
-        # the scores and their softmax in at least float32, as `masked_scores`; the weights mix
-        # the keys in the keys' dtype
-        with no_autocast(g.device):
-            if self.lowrank:
-                scores = (wide(q) @ wide(keys).transpose(-1, -2)) * self.beta
-            else:
+            with no_autocast(g.device):
                 scores = (wide(g).unsqueeze(1) @ wide(per_head)) @ wide(keys).transpose(-1, -2)  # beta = 1
         query_positions = torch.arange(first, first + n, device=g.device)[:, None]
         key_positions = torch.arange(keys.size(2), device=g.device)
