@@ -6,7 +6,10 @@
    backbone: with observed-stream reuse, without it, and with step conditioning.
 3. Peak memory of a training step with and without activation checkpointing at 2, 4, 8 steps.
 4. With `--compile`, instead: the training step of each family that the OpenWebText configs
-   compile, torch.compile (inductor) against eager, and NRGPT's at its released 6 steps.
+   compile, torch.compile (inductor) against eager, and NRGPT's at its released 6 steps; next
+   to each, the share of its eager step spent in GEMM and attention kernels (the floor of
+   compiled / eager, since inductor calls those kernels as they are), and the fp32 GEMM
+   throughput of the BLAS library against oneDNN's on this CPU (which sets that share).
 
     python -m bench.models [--width 256 --heads 4 --seq-len 256 --batch 4 --steps 4 --rounds 10] [--compile]
 
@@ -22,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from bench.memory import peak_allocated_bytes
 from common.cli import ArgumentParser, run_command
@@ -141,6 +145,41 @@ def memory_costs(args, idx) -> None:
     print_table(("family", "checkpointing", "2 steps", "4 steps", "8 steps", "8 / 2"), rows)
 
 
+LIBRARY_KERNELS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_dot_product")
+"""ATen ops that inductor does not generate but calls as extern kernels (GEMMs, SDPA's fused
+attention forward and backward); prefixes of the profiler's op names."""
+
+
+def library_kernel_share(model, idx, steps: int = 3) -> float:
+    """Share of the CPU time of eager training steps spent in `LIBRARY_KERNELS`: compiling the
+    step can fuse only the rest, so compiled / eager cannot fall below this share."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            train_step(model, idx)
+    events = prof.key_averages()
+    library = sum(e.self_cpu_time_total for e in events if e.key.startswith(LIBRARY_KERNELS))
+    return library / sum(e.self_cpu_time_total for e in events)
+
+
+def gemm_gflops(args) -> tuple[float, float]:
+    """fp32 GFLOP/s of one [B T, D] x [D, 4 D] product (the FF's shape) through torch's BLAS
+    (what eager and compiled steps both call) and through oneDNN, which picks its kernels by the
+    CPU's instruction sets alone. On some non-Intel CPUs the BLAS library runs AVX2 code where
+    oneDNN runs AVX-512: GEMMs then take a larger share of every step."""
+    x, weight = torch.randn(args.batch * args.seq_len, args.width), torch.randn(4 * args.width, args.width)
+    bias = torch.zeros(4 * args.width)
+    products = {"blas": lambda: torch.nn.functional.linear(x, weight, bias),
+                "onednn": lambda: torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")}
+    flops = 2 * x.shape[0] * x.shape[1] * weight.shape[0]
+    best = {name: float("inf") for name in products}
+    for _ in range(20):
+        for name, product in products.items():
+            start = time.process_time()
+            product()
+            best[name] = min(best[name], time.process_time() - start)
+    return flops / best["blas"] / 1e9, flops / best["onednn"] / 1e9
+
+
 def compile_costs(args, idx) -> None:
     S = args.steps
     released = {"dropout_placement": "attention"}  # the OpenWebText configs' (dropout 0)
@@ -162,13 +201,19 @@ def compile_costs(args, idx) -> None:
         compile_seconds[contender.label] = time.perf_counter() - start
         models[contender.label, "eager"], models[contender.label, "compiled"] = eager, compiled
     seconds = seconds_per_step(models, idx, args.rounds)
+    floors = {c.label: library_kernel_share(models[c.label, "eager"], idx) for c in contenders}
     rows = [(c.label, f"{seconds[c.label, 'eager'] * 1e3:.1f}", f"{seconds[c.label, 'compiled'] * 1e3:.1f}",
-             f"{seconds[c.label, 'compiled'] / seconds[c.label, 'eager']:.2f}", f"{compile_seconds[c.label]:.0f}")
+             f"{seconds[c.label, 'compiled'] / seconds[c.label, 'eager']:.2f}", f"{floors[c.label]:.2f}",
+             f"{compile_seconds[c.label]:.0f}")
             for c in contenders]
     print(f"4. Training step, torch.compile (inductor) vs eager, D={args.width}, {args.heads} heads, "
           f"T={args.seq_len}, B={args.batch}, V={args.vocab}, {S} steps / layers unless named; "
           "target: NRGPT at 6 steps compiled <= 0.8x eager")
-    print_table(("family", "eager ms/step", "compiled ms/step", "compiled / eager", "first step s (wall)"), rows)
+    print_table(("family", "eager ms/step", "compiled ms/step", "compiled / eager",
+                 "GEMM + attention share of eager (floor)", "first step s (wall)"), rows)
+    blas, onednn = gemm_gflops(args)
+    print(f"fp32 GEMM [{args.batch * args.seq_len}, {args.width}] x [{args.width}, {4 * args.width}]: "
+          f"{blas:.0f} GFLOP/s through torch's BLAS, {onednn:.0f} through oneDNN")
 
 
 def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
