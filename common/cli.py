@@ -1,7 +1,8 @@
 """What every command does at its edges, so that none ends in a traceback there: a malformed
 command line is one error line, Ctrl-C stops it with one line on stderr and exit status 130 (also
-while it is still importing), and a reader of its output that goes away (`| head`) stops it
-quietly. (The trainer handles its own signals once started: it saves a checkpoint first.)"""
+while it is still importing), a scheduler's SIGTERM or SIGUSR1 with one line and 128 + the
+signal's number, and a reader of its output that goes away (`| head`) stops it quietly. (The
+trainer handles its own signals once started: it saves a checkpoint first.)"""
 from __future__ import annotations
 
 import argparse
@@ -17,9 +18,11 @@ INTERRUPTED = 130
 READER_GONE = 141
 """128 + SIGPIPE: what a shell reports for a command whose output pipe was closed."""
 INTERRUPTED_LINE = "error: interrupted"
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-"""What stops a command: a scheduler's SIGTERM (preemption, scancel) and SIGUSR1 (the warning
-before the time limit), and Ctrl-C."""
+SCHEDULER_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+"""A scheduler's stop: SIGTERM (preemption, scancel) and SIGUSR1 (the warning before the time
+limit)."""
+STOP_SIGNALS = (*SCHEDULER_SIGNALS, signal.SIGINT)
+"""What stops a command: a scheduler's signals and Ctrl-C."""
 EXIT_DIR_VARIABLE = "PRETRAIN_EXIT_DIR"
 """Set by the launcher (`pretrain.torchrun`): where each rank writes its exit code and error line
 before exiting (a file named by its rank)."""
@@ -42,9 +45,9 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (see --help)\n")
 
 
-def say_interrupted() -> None:
+def say_stopped(line: str = INTERRUPTED_LINE) -> None:
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank gets the signal
-        print(f"\n{INTERRUPTED_LINE}", file=sys.stderr, flush=True)
+        print(f"\n{line}", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
@@ -80,8 +83,16 @@ def stop_signals_raising(signals: tuple[int, ...] = STOP_SIGNALS) -> Iterator[No
     """During the block the first of `signals` raises `Stopped` where the process is, and the ones
     after it are ignored: the process then cleans up and reports without being stopped again
     halfway. The handlers before it are restored after it. (Processes forked inside a
-    `signals_held` block inherit the hold; the block lifts it.)"""
+    `signals_held` block inherit the hold; the block lifts it.) A process forked inside the
+    block inherits the handler, but not the block's cleanup: it dies of the signal instead, as
+    it would have without the block."""
+    pid = os.getpid()
+
     def on_signal(signum, frame) -> None:
+        if os.getpid() != pid:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         for stop_signal in signals:
             signal.signal(stop_signal, signal.SIG_IGN)
         raise Stopped(signum)
@@ -96,11 +107,15 @@ def stop_signals_raising(signals: tuple[int, ...] = STOP_SIGNALS) -> Iterator[No
 
 
 def run_command(main: Callable[[], int | None]) -> None:
-    """Exit with main()'s status, or with one of the two above instead of a traceback."""
+    """Exit with main()'s status, or with one of the codes above instead of a traceback."""
     try:
-        code = main() or 0
+        with stop_signals_raising(SCHEDULER_SIGNALS):
+            code = main() or 0
+    except Stopped as stop:
+        say_stopped(f"error: stopped by {signal.Signals(stop.signum).name}")
+        code = 128 + stop.signum
     except KeyboardInterrupt:
-        say_interrupted()
+        say_stopped()
         code = INTERRUPTED
     except BrokenPipeError:
         # nothing more can be shown; the interpreter's last flush of stdout would fail again
@@ -131,7 +146,7 @@ def end_interrupted_starts_in_one_line() -> None:
             sys.__excepthook__(kind, value, traceback)
             return
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # torchrun forwards the same Ctrl-C again
-        say_interrupted()
+        say_stopped()
         write_exit_file(INTERRUPTED, INTERRUPTED_LINE)
         with contextlib.suppress(OSError, ValueError):
             sys.stdout.flush()

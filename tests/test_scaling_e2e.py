@@ -1,12 +1,20 @@
 """A two-point sweep of tiny real runs, end to end: launch through the project's torchrun
 launcher, skip finished runs, resume an unfinished one, list, fit (too few points: a one-line
-error, nothing written)."""
+error, nothing written); a sweep stopped by SIGTERM."""
+import contextlib
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import yaml
 
+import trainer_runs as runs
 from pretrain.scaling.__main__ import main
+from pretrain.scaling.launch import REQUEUE_EXIT_CODE
 from pretrain.scaling.registry import load_registry
 
 STEPS, BATCH, SEQ_LEN = 6, 8, 32
@@ -23,11 +31,12 @@ def char_dataset(tmp_path_factory, corpus_jsonl):
     return out
 
 
-def test_two_point_sweep_end_to_end(tmp_path, char_dataset, capsys):
+def write_sweep(tmp_path, dataset: str, steps: int) -> tuple:
+    """(sweep file, sweep directory) of two tiny GPTs trained `steps` steps each."""
     base = tmp_path / "base.yaml"
     base.write_text(yaml.safe_dump({
         "model": {"flavor": "gpt-tiny"},
-        "data": {"path": char_dataset, "seq_len": SEQ_LEN, "micro_batch_size": BATCH,
+        "data": {"path": dataset, "seq_len": SEQ_LEN, "micro_batch_size": BATCH,
                  "num_workers": 0},
         "train": {"global_batch_size": BATCH, "log_interval": 2},
         "zero": {"stage": 0},
@@ -38,8 +47,12 @@ def test_two_point_sweep_end_to_end(tmp_path, char_dataset, capsys):
         "name": "two", "base_config": str(base), "output_root": str(tmp_path / "runs"),
         "families": {"gpt": {"flavor": "gpt-tiny"}},
         "sizes": {"w16": {"n_embd": 16}, "w32": {"n_embd": 32}},
-        "tokens": {"fixed": [STEPS * BATCH * SEQ_LEN]}, "threads_per_process": 1}))
-    sweep_dir = tmp_path / "runs" / "two"
+        "tokens": {"fixed": [steps * BATCH * SEQ_LEN]}, "threads_per_process": 1}))
+    return sweep_file, tmp_path / "runs" / "two"
+
+
+def test_two_point_sweep_end_to_end(tmp_path, char_dataset, capsys):
+    sweep_file, sweep_dir = write_sweep(tmp_path, char_dataset, STEPS)
 
     assert main(["run", str(sweep_file)]) == 0
     registry = load_registry([sweep_dir])
@@ -72,3 +85,30 @@ def test_two_point_sweep_end_to_end(tmp_path, char_dataset, capsys):
     assert err.count("\n") == 1 and "too few runs for any law (the most in one group: 2" in err
     assert "need runs at 3 or more distinct sizes" in err
     assert not (sweep_dir / "fit").exists()
+
+
+def test_a_sweep_stopped_by_sigterm_has_its_running_run_checkpoint_and_starts_no_other(tmp_path, char_dataset):
+    """`kill PID` of a local sweep reaches the sweep alone: it passes the signal on to the
+    running trainer, which saves a checkpoint, starts no further run and exits with the requeue
+    code. (Before, the sweep died at once and left its trainer running to the end unwatched.)"""
+    sweep_file, sweep_dir = write_sweep(tmp_path, char_dataset, 100_000)
+    log = tmp_path / "sweep.out"
+    with log.open("w") as out:
+        sweep = subprocess.Popen([sys.executable, "-m", "pretrain.scaling", "run", str(sweep_file)],
+                                 cwd=runs.REPO, stdout=out, stderr=subprocess.STDOUT, env=runs.child_env(),
+                                 start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while "step 4/" not in log.read_text():  # the first run is in its training loop
+            assert sweep.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+        sweep.send_signal(signal.SIGTERM)
+        assert sweep.wait(timeout=120) == REQUEUE_EXIT_CODE, log.read_text()[-3000:]
+    finally:  # whatever failed, no trainer of the sweep is left running (the group outlives it)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(sweep.pid, signal.SIGKILL)
+    output = log.read_text()
+    assert "stopped by SIGTERM: the running runs save a checkpoint; rerun the sweep to resume them" in output
+    assert "on SIGTERM: checkpoint saved, exit code 75" in output and "Traceback" not in output
+    assert list(sweep_dir.glob("two-gpt-w16-*/ckpt/step_*/complete.json"))
+    assert not list(sweep_dir.glob("two-gpt-w32-*"))  # the second run never started

@@ -4,12 +4,14 @@ an ordinary training run (resumed from its run directory if it was interrupted).
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from common.cli import Stopped
 from pretrain.scaling.sweep import RunSpec, Sweep, expand, is_finished, write_run_configs
 
 class SweepFailed(RuntimeError):
@@ -40,26 +42,64 @@ def unfinished(sweep: Sweep, planned: list[tuple[RunSpec, Path]]) -> list[tuple[
     return [(run, path) for run, path in planned if not is_finished(sweep, run)]
 
 
+class Trainers:
+    """The sweep's running trainer processes. Once stopped, it starts no more, and a stop
+    signal that reached the sweep alone (`kill PID`) is passed on to the running ones, so that
+    they save a checkpoint, as they do when a scheduler or Ctrl-C signals every process."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.running: set[subprocess.Popen] = set()
+        self.stopped = False
+
+    def run(self, command: list[str], **popen_args) -> int | None:
+        """The trainer's exit code, or None when the sweep was stopped before it started."""
+        with self.lock:  # a stop either precedes this start or reaches this trainer
+            if self.stopped:
+                return None
+            trainer = subprocess.Popen(command, **popen_args)
+            self.running.add(trainer)
+        try:
+            return trainer.wait()
+        finally:
+            with self.lock:
+                self.running.discard(trainer)
+
+    def stop(self, signum: int | None = None) -> None:
+        """Start no more trainers; pass `signum` on to the running ones."""
+        with self.lock:
+            self.stopped = True
+            for trainer in self.running if signum else ():
+                trainer.send_signal(signum)
+
+
 def run_locally(sweep: Sweep, planned: list[tuple[RunSpec, Path]]) -> int:
     """Train the unfinished runs in order, `parallel_runs` at a time; returns 0 when all
-    finished, the requeue code when one was interrupted (nothing new is started after it),
-    1 when some failed."""
+    finished, the requeue code when one was interrupted or the sweep was stopped by SIGTERM or
+    SIGUSR1 (nothing new is started after it; the running runs save a checkpoint), 1 when some
+    failed."""
     todo = unfinished(sweep, planned)
-    interrupted = threading.Event()
+    trainers = Trainers()
 
     def train(i: int, run: RunSpec, config_path: Path) -> int:
-        if interrupted.is_set():  # an interrupted run stops the sweep: start nothing new
-            return REQUEUE_EXIT_CODE
-        rc = train_run(sweep, run, config_path, f"[{i}/{len(todo)}]")
-        if rc == REQUEUE_EXIT_CODE:
-            interrupted.set()
+        rc = train_run(sweep, run, config_path, f"[{i}/{len(todo)}]", trainers)
+        if rc == REQUEUE_EXIT_CODE:  # an interrupted run stops the sweep: start nothing new
+            trainers.stop()
         return rc
 
     with ThreadPoolExecutor(sweep.parallel_runs) as pool:
-        futures = [(run, pool.submit(train, i, run, path))
-                   for i, (run, path) in enumerate(todo, 1)]
-        codes = [(run, future.result()) for run, future in futures]
-    if interrupted.is_set():
+        try:
+            futures = [(run, pool.submit(train, i, run, path))
+                       for i, (run, path) in enumerate(todo, 1)]
+            codes = [(run, future.result()) for run, future in futures]
+        except Stopped as stop:  # the pool's end waits for the running trainers to save
+            trainers.stop(stop.signum)
+            print(f"stopped by {signal.Signals(stop.signum).name}: the running runs save a checkpoint; "
+                  "rerun the sweep to resume them", file=sys.stderr, flush=True)
+        except KeyboardInterrupt:  # Ctrl-C reached the trainers too: they save
+            trainers.stop()
+            raise
+    if trainers.stopped:
         return REQUEUE_EXIT_CODE
     failed = [f"{run.run_name} (exit code {rc})" for run, rc in codes if rc != 0]
     if failed:
@@ -69,12 +109,14 @@ def run_locally(sweep: Sweep, planned: list[tuple[RunSpec, Path]]) -> int:
     return 0
 
 
-def train_run(sweep: Sweep, run: RunSpec, config_path: Path, progress: str = "") -> int:
+def train_run(sweep: Sweep, run: RunSpec, config_path: Path, progress: str, trainers: Trainers) -> int:
     """Train (or resume) one run in a child process; its exit code, 1 if it exited 0 without
-    writing summary.json."""
+    writing summary.json, the requeue code if the sweep was stopped before it started."""
     env = {**os.environ, "NPROC_PER_NODE": str(sweep.nproc_per_node), "PYTHON": sys.executable}
     if sweep.threads_per_process is not None:
         env["OMP_NUM_THREADS"] = str(sweep.threads_per_process)
+    if trainers.stopped:
+        return REQUEUE_EXIT_CODE
     resuming = (sweep.directory / run.run_name).exists()
     log = None
     if sweep.parallel_runs > 1:  # interleaved output of several runs would be unreadable
@@ -83,14 +125,14 @@ def train_run(sweep: Sweep, run: RunSpec, config_path: Path, progress: str = "")
     print(f"{progress} {'resuming' if resuming else 'starting'} {run.run_name}".lstrip()
           + (f" (output: {log})" if log else ""), flush=True)
     if log is None:
-        rc = subprocess.run(_command(sweep, config_path), env=env).returncode
+        rc = trainers.run(_command(sweep, config_path), env=env)
     else:
         with log.open("a") as out:
-            rc = subprocess.run(_command(sweep, config_path), env=env, stdout=out,
-                                stderr=subprocess.STDOUT).returncode
-        if rc not in (0, REQUEUE_EXIT_CODE):
-            print(f"{run.run_name} failed (exit code {rc}); last line of {log}: "
-                  f"{_last_line(log)}", flush=True)
+            rc = trainers.run(_command(sweep, config_path), env=env, stdout=out, stderr=subprocess.STDOUT)
+    if rc is None:
+        return REQUEUE_EXIT_CODE
+    if log is not None and rc not in (0, REQUEUE_EXIT_CODE):
+        print(f"{run.run_name} failed (exit code {rc}); last line of {log}: {_last_line(log)}", flush=True)
     if rc == REQUEUE_EXIT_CODE:
         print(f"{run.run_name} was interrupted and checkpointed; rerun the sweep to resume it")
     return rc or int(not is_finished(sweep, run))
