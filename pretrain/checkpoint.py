@@ -46,7 +46,7 @@ import torch.distributed as dist
 import xxhash
 
 from common.fileio import atomic_write, atomic_write_text
-from pretrain.config import ConfigError, RunConfig, from_dict, get_key, to_dict
+from pretrain.config import ConfigError, RunConfig, from_dict, get_key, model_config, to_dict
 from pretrain.engine import seed_process
 from pretrain.models import padded_vocab
 from pretrain.models.ebt import ReplayStore
@@ -59,6 +59,34 @@ UNIVERSAL = "universal"
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be loaded or converted; the message is one line."""
+
+
+def check_same_model(cfg: RunConfig, tag_dir: Path, marker: Marker) -> None:
+    """Refuse to resume checkpoint `tag_dir` as another model: the same flavor, compile
+    setting and seq_len, and the same model config as the checkpoint's (the flavor with
+    `model.overrides`, against the checkpoint's own vocabulary: the data's is checked with the
+    data). A flavor whose definition changed since the checkpoint was saved (nrgpt-ff2w-126m was
+    D = 1020) resumes with overrides that give the checkpoint's model back."""
+    new_run = "start a new run (another run_name, or resume=restart to move this one aside)"
+    for key in ("model.flavor", "model.compile", "data.seq_len"):
+        before, now = get_key(marker.config, key), get_key(cfg, key)
+        if before != now:
+            raise ConfigError(f"{key}={now!r} differs from the checkpoint {tag_dir} ({before!r}); {new_run}")
+    saved = marker.model_config
+    # a field the checkpoint lacks did not exist then; its default keeps the old behaviour
+    now = json.loads(json.dumps(dataclasses.asdict(model_config(cfg, saved.get("vocab_size", 0)))))
+    changed = {key: value for key, value in saved.items() if key in now and now[key] != value}
+    if not changed:
+        return
+    differences = ", ".join(f"{key} {now[key]!r} (checkpoint: {value!r})" for key, value in changed.items())
+    fix = new_run
+    section_then, section_now = (dataclasses.replace(section, init_from=None)
+                                 for section in (marker.config.model, cfg.model))
+    if section_then == section_now:  # the same model section: the flavor itself changed
+        fix = ("the flavor's definition changed since; to resume, add "
+               + " ".join(f"model.overrides.{key}={json.dumps(value)}" for key, value in changed.items()))
+    raise ConfigError(f"model: {cfg.model.flavor} with model.overrides={cfg.model.overrides!r} gives "
+                      f"{differences}, not the model of checkpoint {tag_dir}; {fix}")
 
 
 @dataclass
@@ -628,15 +656,7 @@ class CheckpointManager:
             raise CheckpointError(f"no intact checkpoint in {tag_dir.parent}, every one is damaged: {detail}")
         for damage in skipped:
             _warn(f"damaged checkpoint skipped ({', '.join(damage)}); resuming from {candidate}")
-        for key in ("model", "data.seq_len"):
-            before, now = get_key(marker.config, key), get_key(cfg, key)
-            if key == "model":  # a checkpoint holds the weights: where they started no longer matters
-                before, now = (dataclasses.replace(section, init_from=None) for section in (before, now))
-            if before != now:
-                show = dataclasses.asdict if key == "model" else (lambda v: v)
-                raise ConfigError(f"{key}={show(now)!r} differs from the checkpoint {candidate} "
-                                  f"({show(before)!r}); start a new run (another run_name, or "
-                                  "resume=restart to move this one aside)")
+        check_same_model(cfg, candidate, marker)
         try:  # decided once; a ZeRO stage change that cannot be converted fails here, before any work
             universal = self._needs_universal(candidate, marker)
         except ValueError as e:

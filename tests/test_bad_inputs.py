@@ -30,12 +30,12 @@ def world(tmp_path_factory) -> Iterator[dict]:
     config.write_text(yaml.safe_dump(base))
     cfg = load_config(config, ["run_name=done"])
 
-    def run_with_checkpoint(name: str, *overrides: str, files: dict | None = None) -> Path:
+    def run_with_checkpoint(name: str, *overrides: str, files: dict | None = None, **model: int) -> Path:
         saved = load_config(config, [f"run_name={name}", *overrides])
         tag_dir = saved.run_dir / "ckpt" / checkpoint.tag_for(4)
         tag_dir.mkdir(parents=True)
         (tag_dir / "mp_rank_00_model_states.pt").write_bytes(b"x" * 10)
-        marker = checkpoint.Marker(step=4, world_size=1, config=saved, model_config={"vocab_size": 128},
+        marker = checkpoint.Marker(step=4, world_size=1, config=saved, model_config={"vocab_size": 128, **model},
                                    files=files if files is not None else {"mp_rank_00_model_states.pt": [10, "0"]})
         (tag_dir / checkpoint.MARKER).write_text(marker.to_json())
         return saved.run_dir
@@ -43,6 +43,7 @@ def world(tmp_path_factory) -> Iterator[dict]:
     run_with_checkpoint("done")
     run_with_checkpoint("stage0", "zero.stage=0")
     run_with_checkpoint("torn", files={"mp_rank_00_model_states.pt": [999, "0"]})
+    run_with_checkpoint("redefined", n_embd=48)  # saved when the flavor (now 32 wide) was 48 wide
     incomplete = root / "runs" / "incomplete" / "ckpt" / checkpoint.tag_for(4)
     incomplete.mkdir(parents=True)
     text_file = root / "file.txt"
@@ -139,6 +140,11 @@ CASES = {
     "resume=never over checkpoints": (check("run_name=done", "resume=never"), "resume=restart moves it aside"),
     "model differs from checkpoint": (check("run_name=done", "model.flavor=nrgpt-tiny"), "differs from the checkpoint"),
     "seq_len differs from checkpoint": (check("run_name=done", "data.seq_len=16"), "differs from the checkpoint"),
+    "compile differs from checkpoint": (check("run_name=done", "model.compile=inductor"), "differs from the checkpoint"),
+    "flavor redefined since the checkpoint": (check("run_name=redefined"),
+                                              "gives n_embd 32 (checkpoint: 48), not the model of checkpoint"),
+    "flavor redefined, overridden wrongly": (check("run_name=redefined", "model.overrides.n_embd=64"),
+                                             "gives n_embd 64 (checkpoint: 48), not the model of checkpoint"),
     "ZeRO-0 checkpoint into ZeRO-2": (check("run_name=stage0"), "saved without ZeRO"),
     "incomplete explicit checkpoint": (check("resume={incomplete}"), "checkpoint is incomplete"),
     "torn checkpoint": (check("run_name=torn"), "every one is damaged"),
@@ -252,6 +258,22 @@ def test_bad_input_is_one_line(world, case):
     errors = [line for line in lines if line.startswith("error: ")]
     assert len(errors) == 1 and lines == errors, f"{case}:\n{err[-3000:]}"
     assert expected in errors[0], f"{case}: {errors[0]!r} lacks {expected!r}"
+
+
+def test_a_checkpoint_of_a_redefined_flavor_resumes_with_the_overrides_its_error_names(world):
+    """nrgpt-ff2w-126m went from D = 1020 to 1024: its checkpoints at 1020 are refused with the
+    override that resumes them (not with the trainer's shape mismatch deep in the load), and
+    resume with it; a different override is a different model, a new run."""
+    config = str(world["config"])
+    refused = runs.command_here("pretrain.train", ["--check", "--config", config, "run_name=redefined"])
+    assert refused.returncode == 2 and refused.stderr.strip().endswith(
+        "the flavor's definition changed since; to resume, add model.overrides.n_embd=48"), refused.stderr
+    wrong = runs.command_here("pretrain.train", ["--check", "--config", config, "run_name=redefined",
+                                                 "model.overrides.n_embd=64"])
+    assert "start a new run" in wrong.stderr and "model.overrides.n_embd=48" not in wrong.stderr
+    resumed = runs.command_here("pretrain.train", ["--check", "--config", config, "run_name=redefined",
+                                                   "model.overrides.n_embd=48"])
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
 
 
 def test_prepare_help_shows_the_defaults():
