@@ -289,6 +289,30 @@ def test_ebt_thinks_until_the_energy_settles_in_the_command(tmp_path, capsys):
     assert harness.scalar_tag(harness.Row(**zero[3, "bpb"])) == "downstream/arc_easy/bpb_think3_until0"
 
 
+def test_two_ranks_thinking_until_the_energy_settles_give_the_steps_and_numbers_of_one(tmp_path, capsys):
+    """Under torchrun each rank counts the descent steps of its own documents and
+    `step_counts` pools them (all_gather_object): the mean steps and the scores equal one
+    process's. The tolerance makes tokens stop after different numbers of steps, so a mean of
+    one rank's documents alone would differ."""
+    file = gpt2_export(tmp_path, "ebt-tiny")
+    args = [str(file), "--tasks", "arc_easy", "--limit", "2", "--think-steps", "3", "--think-until", "0.18"]
+    one, two = tmp_path / "one.json", tmp_path / "two.json"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank: the energy changes compared with the tolerance round alike
+    try:
+        assert evaluate.main([*args, "--out", str(one)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    result = run_evaluate([*args, "--out", two], nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    single, split = values(one), values(two)
+    assert json.loads(two.read_text())["world_size"] == 2 and single.keys() == split.keys()
+    for tag, row in single.items():
+        assert 2 < row["mean_steps"] < 3, row  # tokens stopped at different steps
+        assert split[tag]["mean_steps"] == pytest.approx(row["mean_steps"], rel=1e-9), tag
+        assert split[tag]["value"] == pytest.approx(row["value"], rel=1e-5), tag
+
+
 def test_core_suite_runs_offline(trained_run, tmp_path):
     out = tmp_path / "core.json"
     # two documents per task: a standard error needs two
