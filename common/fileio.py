@@ -1,6 +1,7 @@
 """Small file utilities every component shares: atomic writes, JSON reads and Markdown tables."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -24,6 +25,15 @@ def atomic_write(path: str | Path, write: Callable[[Path], Any]) -> Path:
 
 def atomic_write_text(path: str | Path, text: str) -> Path:
     return atomic_write(path, lambda tmp: tmp.write_text(text))
+
+
+def sha256_hex(path: str | Path) -> str:
+    """The file's SHA-256 digest in hex, as `sha256sum` prints it."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def read_json(path: str | Path, error: type[Exception] = ValueError) -> Any:

@@ -34,7 +34,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from common.cli import ArgumentParser, run_command
-from common.fileio import atomic_write
+from common.fileio import atomic_write, sha256_hex
 from pretrain.export_hf import check_out, export_hf, write_failure
 from pretrain.trained import load_trained
 
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:  # LoadError, ExportError, bad model configs; disk full
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {out} from {tag_dir} ({os.path.getsize(out) / 1e6:.1f} MB, fp32)")
+    print(f"wrote {out} from {tag_dir} ({os.path.getsize(out) / 1e6:.1f} MB, fp32, sha256 {sha256_hex(out)})")
     return 0
 
 

@@ -4,6 +4,7 @@
     DIR/tokenizer.json, tokenizer_config.json, ...                the training data's tokenizer
     DIR/README.md                                                 the model card
     DIR/training_run.json                                         flavor, config, step, run config, data manifest
+    DIR/SHA256SUMS                                                every other file's digest (`sha256sum -c SHA256SUMS`)
     DIR/*.py                                                      gpt_rec, nrgpt, ebt: the modeling code
 
 gpt and transformer_pp become native GPT2LMHeadModel / LlamaForCausalLM (`hf/native.py`) where
@@ -27,7 +28,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from common.fileio import atomic_directory, markdown_table, read_json
+from common.fileio import atomic_directory, markdown_table, read_json, sha256_hex
 from pretrain.evaluate import results_file
 from pretrain.hf import native
 from pretrain.hf.load import CODE_PREFIX, RUN_FILE
@@ -42,6 +43,9 @@ WRAPPER_MODULE = "pretrain.hf.modeling"
 CARRIED_PACKAGES = {"torch", "transformers"}
 """What carried code may import besides the standard library and its own package."""
 PACKAGE_IMPORT = re.compile(r"^(\s*)from pretrain\.(?:models|hf)\.(\w+) import", re.MULTILINE)
+CHECKSUM_FILE = "SHA256SUMS"
+"""The digests of every other file of an export, in `sha256sum`'s format: a copy moved between
+machines or hubs is checked with `sha256sum -c SHA256SUMS` in the directory."""
 TRAINING_ONLY = {"replay_buffer_size": 0}
 """Config fields that hold training state only (EBT's replay buffer: up to GBs of candidates),
 left out of exports."""
@@ -150,12 +154,15 @@ def export_hf(trained: TrainedModel, out: str | Path, overwrite: bool = False, c
                 save_with_code(state, model_config, trained.flavor, staging, eot_id)
             save_tokenizer(trained.manifest, staging, model_config.block_size)
             (staging / "README.md").write_text(model_card(trained, model_config, reason, out, command))
-            files = sorted([p.name for p in staging.iterdir()] + [RUN_FILE])  # what --overwrite may replace
+            # what --overwrite may replace
+            files = sorted([p.name for p in staging.iterdir()] + [RUN_FILE, CHECKSUM_FILE])
             run = {"format": "native" if reason is None else "code", "family": family_name(model_config),
                    "flavor": trained.flavor, "model_config": dataclasses.asdict(model_config), "step": trained.step,
                    "checkpoint": str(trained.source), "run_config": trained.run_config,
                    "manifest": trained.manifest, "files": files}
             (staging / RUN_FILE).write_text(json.dumps(run, indent=2) + "\n")
+            (staging / CHECKSUM_FILE).write_text("".join(f"{sha256_hex(staging / name)}  {name}\n"
+                                                         for name in files if name != CHECKSUM_FILE))
     except (OSError, SafetensorError) as e:
         raise write_failure(out, e) from None
     return out
@@ -403,7 +410,8 @@ def model_card(trained: TrainedModel, model_config: Any, not_native: str | None,
                                                     for tag, value in sorted(downstream.items())])]
     lines += ["## Provenance", "",
               f"Checkpoint `{trained.source}`; `training_run.json` holds the run's resolved config, the model "
-              "config and the data manifest. Trained with `python -m pretrain.train` on that config.", ""]
+              "config and the data manifest. Trained with `python -m pretrain.train` on that config. "
+              f"`sha256sum -c {CHECKSUM_FILE}` in this directory checks that every file arrived intact.", ""]
     if command:
         lines += ["Exported with:", "", "```", command, "```", ""]
     return "\n".join(lines)

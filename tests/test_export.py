@@ -2,6 +2,7 @@
 runs gives a file that `build(config)` + `load_state_dict` accept, with the trained weights."""
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import subprocess
@@ -39,6 +40,7 @@ def test_export_of_zero2_run_has_the_trained_weights(matrix, family, tmp_path):
     out = tmp_path / f"{name}.safetensors"
     result = run_export(name, out)
     assert result.returncode == 0, result.stderr[-2000:]
+    assert f"sha256 {hashlib.sha256(out.read_bytes()).hexdigest()}" in result.stdout
     tag_dir = checkpoint.newest_complete(runs.run_dir(name) / "ckpt")
     assert tag_dir.name == f"step_{runs.N_STEPS:08d}"
 

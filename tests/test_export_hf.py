@@ -434,6 +434,23 @@ def test_a_damaged_export_is_refused_in_one_line_naming_the_file(built_exports, 
         assert captured.out == "" and captured.err.startswith(f"error: {expected}") and captured.err.count("\n") == 1
 
 
+def test_every_file_of_an_export_is_in_its_sha256sums_and_sha256sum_checks_them(built_exports, tmp_path):
+    """The export's SHA256SUMS, read by the real `sha256sum -c`: it passes on the export as
+    written and names the one file whose byte was flipped in a copy."""
+    for _, directory in built_exports.values():
+        listed = [line.split("  ", 1)[1] for line in (directory / "SHA256SUMS").read_text().splitlines()]
+        assert sorted(listed) == sorted(p.name for p in directory.iterdir() if p.name != "SHA256SUMS")
+        check = subprocess.run(["sha256sum", "--check", "--strict", "SHA256SUMS"], cwd=directory,
+                               capture_output=True, text=True)
+        assert check.returncode == 0, check.stdout + check.stderr
+    copy = shutil.copytree(next(iter(built_exports.values()))[1], tmp_path / "copy")
+    weights = bytearray((copy / "model.safetensors").read_bytes())
+    weights[-1] ^= 1
+    (copy / "model.safetensors").write_bytes(weights)
+    check = subprocess.run(["sha256sum", "--check", "--quiet", "SHA256SUMS"], cwd=copy, capture_output=True, text=True)
+    assert check.returncode == 1 and check.stdout.strip() == "model.safetensors: FAILED"
+
+
 def test_a_failing_export_leaves_out_untouched(run_exports, tmp_path):
     """The tokenizer is written after the model: a manifest whose tokenizer has no Hugging Face
     form fails there, and neither a partial directory nor the staging one remains."""
