@@ -170,14 +170,9 @@ def gemm_gflops(args) -> tuple[float, float]:
     bias = torch.zeros(4 * args.width)
     products = {"blas": lambda: torch.nn.functional.linear(x, weight, bias),
                 "onednn": lambda: torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")}
+    seconds = seconds_per_step(products, None, rounds=20, step=lambda product, _: product())
     flops = 2 * x.shape[0] * x.shape[1] * weight.shape[0]
-    best = {name: float("inf") for name in products}
-    for _ in range(20):
-        for name, product in products.items():
-            start = time.process_time()
-            product()
-            best[name] = min(best[name], time.process_time() - start)
-    return flops / best["blas"] / 1e9, flops / best["onednn"] / 1e9
+    return flops / seconds["blas"] / 1e9, flops / seconds["onednn"] / 1e9
 
 
 def compile_costs(args, idx) -> None:

@@ -5,10 +5,10 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
+import trainer_runs as runs
 from common.cli import Stopped, signals_held, stop_signals_raising
 
 
@@ -61,8 +61,7 @@ def test_a_scheduler_signal_ends_a_command_in_one_line_and_kills_its_forked_work
     """A command (sample, export, evaluate, a sweep) stopped by the scheduler says so in one line
     and exits with 128 + the signal's number. A process it forked dies of the signal, as it did
     before the command had a handler, instead of running the command's ending too."""
-    repo = Path(__file__).resolve().parents[1]
-    command = subprocess.Popen([sys.executable, "-c", COMMAND], cwd=repo, stdout=subprocess.PIPE,
+    command = subprocess.Popen([sys.executable, "-c", COMMAND], cwd=runs.REPO, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)
     try:
         worker = int(command.stdout.readline())

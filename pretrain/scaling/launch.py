@@ -69,8 +69,9 @@ class Trainers:
         """Start no more trainers; pass `signum` on to the running ones."""
         with self.lock:
             self.stopped = True
-            for trainer in self.running if signum else ():
-                trainer.send_signal(signum)
+            if signum:
+                for trainer in self.running:
+                    trainer.send_signal(signum)
 
 
 def run_locally(sweep: Sweep, planned: list[tuple[RunSpec, Path]]) -> int:
@@ -112,11 +113,11 @@ def run_locally(sweep: Sweep, planned: list[tuple[RunSpec, Path]]) -> int:
 def train_run(sweep: Sweep, run: RunSpec, config_path: Path, progress: str, trainers: Trainers) -> int:
     """Train (or resume) one run in a child process; its exit code, 1 if it exited 0 without
     writing summary.json, the requeue code if the sweep was stopped before it started."""
+    if trainers.stopped:  # not announced as starting (`trainers.run` settles a stop racing the start)
+        return REQUEUE_EXIT_CODE
     env = {**os.environ, "NPROC_PER_NODE": str(sweep.nproc_per_node), "PYTHON": sys.executable}
     if sweep.threads_per_process is not None:
         env["OMP_NUM_THREADS"] = str(sweep.threads_per_process)
-    if trainers.stopped:
-        return REQUEUE_EXIT_CODE
     resuming = (sweep.directory / run.run_name).exists()
     log = None
     if sweep.parallel_runs > 1:  # interleaved output of several runs would be unreadable
