@@ -29,7 +29,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench.memory import peak_allocated_bytes
 from common.cli import ArgumentParser, run_command
-from pretrain.engine import deterministic_compiled_cpu_kernels
+from pretrain.engine import compiled_cpu_kernel_settings
 from pretrain.models import build, resolve
 
 
@@ -185,7 +185,7 @@ def compile_costs(args, idx) -> None:
         Contender("transformer_pp", "transformer_pp-tiny", {"n_layer": S}),
         Contender("nrgpt released, 6 steps", "nrgpt-tiny", {"n_steps": 6, **released}),
     ]
-    deterministic_compiled_cpu_kernels()  # as a compiled CPU run of the trainer
+    compiled_cpu_kernel_settings()  # as a compiled CPU run of the trainer
     models, compile_seconds = {}, {}
     for contender in contenders:
         eager = build_contender(contender, args)

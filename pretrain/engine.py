@@ -184,7 +184,7 @@ def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ds_conf
     ZeRO-3 (those calling autograd.grad in forward, e.g. EBT's descent) are marked as leaves.
     `compile_backend` other than "off" compiles the module through DeepSpeed's
     `engine.compile` (torch.compile in place, so parameter and checkpoint names stay as they are;
-    on CPU with deterministic kernels, which exact resume needs)."""
+    on CPU with deterministic kernels, which exact resume needs, and a cache keyed on the CPU)."""
     import deepspeed
     from deepspeed.utils import set_z3_leaf_modules
 
@@ -194,17 +194,30 @@ def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ds_conf
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     if compile_backend != "off":
         if engine.device.type == "cpu":
-            deterministic_compiled_cpu_kernels()
+            compiled_cpu_kernel_settings()
         engine.compile(backend=compile_backend)
     return engine
 
 
-def deterministic_compiled_cpu_kernels() -> None:
-    """Have inductor generate CPU kernels whose float sums have a fixed order. Its embedding
-    backward otherwise adds the rows of repeated tokens with atomic adds from several threads,
-    in an order that varies with scheduling (on a busy host a resumed run's loss differed from
-    the uninterrupted run's in the last bit); in deterministic mode it calls aten's serial
-    kernel instead, as eager does. New tensors stay unfilled (deterministic mode would also fill
-    each one, a cost that orders no sum)."""
+def compiled_cpu_kernel_settings() -> None:
+    """Settings for the CPU kernels inductor generates, set before the first compiled call.
+
+    Deterministic sums: inductor's embedding backward otherwise adds the rows of repeated tokens
+    with atomic adds from several threads, in an order that varies with scheduling (on a busy
+    host a resumed run's loss differed from the uninterrupted run's in the last bit); in
+    deterministic mode it calls aten's serial kernel instead, as eager does. New tensors stay
+    unfilled (deterministic mode would also fill each one, a cost that orders no sum).
+
+    A cache keyed on the CPU's vector instructions: inductor's on-disk cache of generated code
+    (torch 2.13) is not keyed on the vector instruction set that the C++ was written for, while
+    that C++ is compiled for the CPU that loads it. Code cached on an AVX-512 CPU and loaded on
+    an AVX2 one (a cache directory shared by hosts, a machine image moved to another CPU,
+    ATEN_CPU_CAPABILITY set) runs its 16-float loops on 8-float vectors, reading and writing past
+    its buffers: garbage gradients, or an index error in the embedding backward. The capability
+    in use (which inductor also follows) goes into the cache key's tag, after any tag the user set."""
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.utils.deterministic.fill_uninitialized_memory = False
+    isa_tag = f"cpu-isa={torch.backends.cpu.get_cpu_capability()}"
+    user_tag = torch.compiler.config.cache_key_tag
+    if isa_tag not in user_tag.split(";"):
+        torch.compiler.config.cache_key_tag = f"{user_tag};{isa_tag}" if user_tag else isa_tag

@@ -4,6 +4,9 @@ eager's up to float rounding, and a compiled run resumes with the uninterrupted 
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import uuid
 from pathlib import Path
 
 import pytest
@@ -15,7 +18,7 @@ from torch._inductor.utils import run_and_get_code
 import trainer_runs as runs
 from numerics import assert_rounding_close
 from pretrain.config import load_config
-from pretrain.engine import deterministic_compiled_cpu_kernels
+from pretrain.engine import compiled_cpu_kernel_settings
 from pretrain.models import build, model_class, resolve
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "owt"
@@ -51,16 +54,19 @@ logging steps ask)."""
 def fresh_dynamo():
     """Each test compiles from nothing (and counts its own graphs: compiled frames of earlier
     tests would count against dynamo's recompile limit, past which it silently runs eagerly)
-    and leaves torch's deterministic mode as it found it (a compiled CPU engine sets it)."""
+    and leaves torch's deterministic mode and the compile cache's key tag as it found them (a
+    compiled CPU engine sets both)."""
     torch._dynamo.reset()
     counters.clear()
     deterministic = torch.are_deterministic_algorithms_enabled()
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     fill = torch.utils.deterministic.fill_uninitialized_memory
+    cache_key_tag = torch.compiler.config.cache_key_tag
     yield
     torch._dynamo.reset()
     torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
     torch.utils.deterministic.fill_uninitialized_memory = fill
+    torch.compiler.config.cache_key_tag = cache_key_tag
 
 
 def training_step(model, idx, return_energies=False) -> torch.Tensor:
@@ -81,25 +87,66 @@ def test_openwebtext_configs_compile_every_family_without_double_backward():
     assert compiled == set(TINY)
 
 
-@pytest.mark.parametrize("family", TINY)
-def test_compiled_training_step_equals_eager(family):
+def compiled_step_equals_eager(family: str, **overrides) -> list[str]:
     """Inductor's loss and every parameter's gradient equal eager's up to rounding (it fuses and
-    reorders float32 arithmetic); fullgraph=True raises at a graph break. With the trainer's CPU
-    setting its kernels add no floats atomically (an order that varies between runs)."""
-    flavor, overrides = TINY[family]
+    reorders float32 arithmetic), with the trainer's CPU settings; returns the generated code."""
+    flavor, family_overrides = TINY[family]
     torch.manual_seed(0)
-    eager = build(resolve(flavor, dict(vocab_size=64, block_size=32, **overrides))).train()
+    eager = build(resolve(flavor, dict(vocab_size=64, block_size=32, **family_overrides | overrides))).train()
     compiled = copy.deepcopy(eager)
     compiled.compile(backend="inductor", fullgraph=True)
-    deterministic_compiled_cpu_kernels()
+    compiled_cpu_kernel_settings()
     idx = torch.randint(0, 64, (2, 32))
     loss = training_step(eager, idx)
     compiled_loss, kernels = run_and_get_code(training_step, compiled, idx)
     assert_rounding_close(compiled_loss, loss)
-    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
-    assert len(kernels) == 2 and not any("atomic_add" in code for code in kernels)  # forward, backward
     for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
         assert_rounding_close(q.grad, p.grad, msg=name)
+    return kernels
+
+
+@pytest.mark.parametrize("family", TINY)
+def test_compiled_training_step_equals_eager(family):
+    """Compiled equals eager; fullgraph=True raises at a graph break. With the trainer's CPU
+    setting its kernels add no floats atomically (an order that varies between runs)."""
+    kernels = compiled_step_equals_eager(family)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    assert len(kernels) == 2 and not any("atomic_add" in code for code in kernels)  # forward, backward
+
+
+CACHED_STEPS = """
+import sys, torch, test_compile
+from torch._dynamo.utils import counters
+for _ in range(int(sys.argv[1])):
+    torch._dynamo.reset()
+    counters.clear()
+    test_compile.compiled_step_equals_eager("gpt", n_layer=1)
+    print(counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"])
+"""
+"""A process that compiles and checks a one-layer gpt's training step N times (argument), printing each
+time how many of its compiled graphs came from inductor's caches."""
+
+LOWER_CAPABILITY = {"AVX512": "avx2", "AVX2": "default"}
+
+
+def test_a_cache_filled_on_another_cpu_instruction_set_is_not_used():
+    """Code that inductor cached for one vector instruction set is not loaded by a process that
+    runs another (ATEN_CPU_CAPABILITY stands in for another CPU reading a shared cache
+    directory): that process compiles its own, equal to eager, while a compile on the cache's
+    own instruction set uses it. A tag of the user's, new for this test, keeps entries of earlier
+    runs out (inductor's cache of compiled C++ stays warm)."""
+    best = torch.backends.cpu.get_cpu_capability()
+    if best not in LOWER_CAPABILITY:
+        pytest.skip(f"CPU capability {best}: no lower x86 instruction set to compare with")
+    user_tag, cache_hits = f"test-{uuid.uuid4().hex}", []
+    for capability, n_compiles in ((best.lower(), 2), (LOWER_CAPABILITY[best], 1)):
+        env = runs.child_env(TORCH_COMPILE_CACHE_KEY_TAG=user_tag, ATEN_CPU_CAPABILITY=capability,
+                             PYTHONPATH=os.pathsep.join([str(runs.REPO), str(Path(__file__).parent)]))
+        child = subprocess.run([runs.PYTHON, "-c", CACHED_STEPS, str(n_compiles)], env=env, cwd=runs.REPO,
+                               capture_output=True, text=True, timeout=300)
+        assert child.returncode == 0, f"{capability}: {child.stderr[-3000:]}"
+        cache_hits.append([int(hits) for hits in child.stdout.split()])
+    assert cache_hits[0][0] == 0 and cache_hits[0][1] > 0 and cache_hits[1] == [0], cache_hits
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
