@@ -136,10 +136,11 @@ def process_tree(pid: int) -> list[int]:
 
 def wait_for(done: Callable[[], object], what: str, proc: subprocess.Popen, poll_s: float = 0.05,
              timeout: float = 240) -> None:
-    """Until done() is true, while proc runs; `what` names it in the failure."""
+    """Until done() is true, while proc runs; `what` names it in the failure, with the end of
+    proc's stderr where it is a pipe."""
     deadline = time.monotonic() + timeout
     while not done():
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert proc.poll() is None, f"{what}: exit code {proc.returncode} {(proc.communicate()[1] or '')[-3000:]}"
         assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
         time.sleep(poll_s)
 
