@@ -12,6 +12,12 @@ Choices that are not streaming's defaults, and why:
   the world size: with it fixed, streaming's global sample order for a fixed global batch is the
   same at any number of ranks (elastic determinism), and tiny splits are not spread so thin that
   streaming repeats windows to fill its partitions.
+- Any node count: streaming partitions the sample order over physical nodes, and refuses a node
+  count that neither divides the canonical node count nor is divisible by it (3 or 6 nodes
+  against a power of two). For those the loader partitions as if the job were one node of all
+  its ranks and hands each node its ranks' rows (`ANY_NODE_COUNT`): each global batch holds the
+  same windows as at any other world size; only which rank reads which window differs. Node
+  counts streaming takes are partitioned by streaming itself, unchanged.
 - Epochs: iterating the loader runs epoch after epoch (streaming's epoch counter advances and,
   with shuffling, reshuffles with seed + epoch) unless `repeat=False`, which stops after one.
 - Shards are checked against the sizes (when the loader is built) and xxh64 checksums (when a
@@ -29,7 +35,9 @@ import atexit
 import contextlib
 import fcntl
 import mmap
+import multiprocessing.resource_tracker
 import os
+import signal
 import tempfile
 from typing import Any, Iterator
 
@@ -64,6 +72,31 @@ def canonical_nodes_for(num_windows: int) -> int:
     while nodes * 2 <= limit and num_windows % (nodes * 2) == 0:
         nodes *= 2
     return nodes
+
+
+ANY_NODE_COUNT = "pretrain_any_node_count"
+"""The loader's batching method: streaming's `random` batching, at node counts streaming refuses
+too (see the module doc)."""
+
+
+def _work_at_any_node_count(dataset, world, epoch: int, sample_in_epoch: int) -> np.ndarray:
+    """Streaming's `random` batching work [nodes, ranks per node, workers, batches, batch] of an
+    epoch, computed for one node of all the job's ranks where the job's node count and the
+    canonical one do not divide each other. Global rank = node * ranks_per_node + local rank, as
+    torchrun and Slurm number them and streaming indexes the result."""
+    random_batching = streaming.base.batching.batching_methods["random"]
+    nodes, canonical = world.num_nodes, dataset.num_canonical_nodes
+    if nodes % canonical == 0 or canonical % nodes == 0:
+        return random_batching(dataset, world, epoch, sample_in_epoch)
+    one_node = streaming.base.world.World(num_nodes=1, ranks_per_node=world.num_ranks,
+                                          workers_per_rank=world.workers_per_rank, worker=world.worker)
+    work = random_batching(dataset, one_node, epoch, sample_in_epoch)
+    return work.reshape(nodes, world.ranks_per_node, *work.shape[2:])
+
+
+# streaming looks its batching methods up by name in this table (and checks the name only when a
+# dataset is built, so WindowDataset sets it afterwards)
+streaming.base.batching.batching_methods[ANY_NODE_COUNT] = _work_at_any_node_count
 
 
 def _stored_files(shard) -> list:
@@ -124,6 +157,19 @@ def _registration_turn():
         yield
 
 
+def _start_resource_tracker_deaf_to_stop_signals() -> None:
+    """Start multiprocessing's resource tracker (the helper process that streaming's shared
+    memory registers with) with SIGUSR1 blocked, which it inherits. A scheduler's stop signal
+    reaches every process of a job step (`scancel --signal=USR1` does), and the tracker, which
+    ignores only SIGINT and SIGTERM, would die of it: its replacement then fails to unregister
+    the segments at exit, one traceback per segment. Does nothing if the tracker runs already."""
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+    try:
+        multiprocessing.resource_tracker.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
 def _release_prefix(registered: list[int]) -> None:
     """Remove the lock files streaming leaves in the temp dir for a dataset's prefix.
 
@@ -158,6 +204,7 @@ class WindowDataset(streaming.StreamingDataset):
 
     def __init__(self, *, verify: bool, **kwargs) -> None:
         super().__init__(**kwargs)
+        self.batching_method = ANY_NODE_COUNT
         self.verify = verify
         self.mapped_shards: dict[int, np.ndarray] = {}
 
@@ -319,6 +366,7 @@ def build_loader(data_dir: str, split: str, *, micro_batch_size: int, seed: int,
     if num_windows < micro_batch_size * world_size:
         raise DataError(f"split {split} of {data_dir} has {num_windows} windows, fewer than one "
                         f"global batch ({micro_batch_size} x {world_size} ranks)")
+    _start_resource_tracker_deaf_to_stop_signals()
     registered: list[int] = []
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         # Registered before streaming's own exit handlers, so it runs after them (LIFO).

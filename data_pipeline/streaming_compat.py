@@ -18,5 +18,7 @@ import streaming.base.hashing  # noqa: E402,F401  (shard checksums, used by the 
 import streaming.base.compression  # noqa: E402,F401
 import streaming.base.constant  # noqa: E402,F401
 import streaming.base.util  # noqa: E402,F401
+import streaming.base.batching  # noqa: E402,F401  (the loader's batching method for any node count)
+import streaming.base.world  # noqa: E402,F401
 
 __all__ = ["streaming"]

@@ -243,6 +243,42 @@ def read_and_resume(make_loader, out_dir: str, name: str) -> dict:
     resumed_loader.load_state_dict(torch.load(state_path))
     return {"full": full, "resumed": take(resumed_loader)}
 
+def global_batches(dataset, nodes: int, ranks_per_node: int, global_batch: int, sample_in_epoch: int,
+                   steps: int) -> list[list[int]]:
+    """The windows (sorted ids) of each global batch of an epoch at this layout, as the loader's
+    batching method deals them: rank r's s-th batch is its worker s % W's batch s // W."""
+    from data_pipeline.loader import ANY_NODE_COUNT
+    from data_pipeline.streaming_compat import streaming
+
+    workers = 2
+    dataset.batch_size = global_batch // (nodes * ranks_per_node)
+    world = streaming.base.world.World(num_nodes=nodes, ranks_per_node=ranks_per_node,
+                                       workers_per_rank=workers, worker=0)
+    work = streaming.base.batching.generate_work(ANY_NODE_COUNT, dataset, world, 0, sample_in_epoch)
+    return [sorted(work[:, :, step % workers, step // workers].flatten().tolist()) for step in range(steps)]
+
+
+def test_any_node_count_deals_the_same_global_batches(tiny_dataset):
+    """3 or 6 nodes against 4 canonical nodes (which streaming's own partition refuses): every
+    global batch holds the same windows as at 1, 2 or 4 nodes, from the start and from a
+    position mid-epoch (a resume on another layout); where streaming's partition works, the
+    loader's is streaming's, unchanged."""
+    from data_pipeline.loader import WindowDataset
+    from data_pipeline.streaming_compat import streaming
+
+    dataset = WindowDataset(verify=False, local=os.path.join(tiny_dataset, "train"), batch_size=4,
+                            shuffle=True, shuffle_seed=3, num_canonical_nodes=4)
+    dataset.shuffle_block_size = 1 << 18  # streaming sets it when iteration starts
+    for start in (0, 5 * 24):
+        expected = global_batches(dataset, 1, 1, 24, start, 6)
+        for nodes, ranks_per_node in ((2, 1), (4, 2), (3, 1), (3, 2), (6, 1), (1, 3)):
+            assert global_batches(dataset, nodes, ranks_per_node, 24, start, 6) == expected, (nodes, ranks_per_node)
+    world = streaming.base.world.World(num_nodes=2, ranks_per_node=2, workers_per_rank=2, worker=0)
+    dataset.batch_size = 6
+    assert (streaming.base.batching.generate_work(dataset.batching_method, dataset, world, 0, 0) ==
+            streaming.base.batching.generate_work("random", dataset, world, 0, 0)).all()
+
+
 
 def worker_main(data_dir: str, mixture_a: str, mixture_b: str, out_dir: str) -> None:
     torch.distributed.init_process_group("gloo")
@@ -262,3 +298,4 @@ def worker_main(data_dir: str, mixture_a: str, mixture_b: str, out_dir: str) -> 
 
 if __name__ == "__main__":
     worker_main(*sys.argv[1:])
+
