@@ -733,6 +733,8 @@ class CheckpointManager:
             store = replay_store(engine)
             if store is not None:  # torch.save copies its device tensors to the host one at a time
                 writes.save_atomically(store.state_dict(), replay_store_file(tag_dir, self.rank))
+        while self.cfg.fault.checkpoint_stall_file and os.path.exists(self.cfg.fault.checkpoint_stall_file):
+            time.sleep(0.1)
         reports = [None] * self.world_size  # also waits for every rank's writes
         dist.all_gather_object(reports, (writes.failure, writes.bytes))
         failure = next((failure for failure, _ in reports if failure is not None), None)

@@ -192,6 +192,11 @@ class TrainSection:
     tf32: bool = True
     """On GPU, let float32 matmuls use TF32 tensor cores (fp32 runs, and the float32 parts of
     bf16 runs); no effect on CPU."""
+    collective_timeout: float = 1800.0
+    """Seconds a collective waits for the other processes before the run stops with one line
+    naming the lost peer (a node that failed or was cut off). A process that dies is noticed at
+    once; a silent one only after this. Sized for a first step that compiles the model on a slow
+    node while the others wait; lower it to learn of a cut-off node sooner."""
 
 
 @dataclass
@@ -273,6 +278,9 @@ class FaultSection:
     time each is run in a process: a loss and gradient-norm spike."""
     spike_loss_factor: float = 1000.0
     """The factor of an injected spike."""
+    checkpoint_stall_file: str = ""
+    """While this file exists, every rank waits after writing its checkpoint files, before the
+    checkpoint is marked complete: the window in which a test loses a node mid-checkpoint."""
 
 
 @dataclass
@@ -496,6 +504,7 @@ def validate(cfg: RunConfig, world_size: int, has_gpu: bool) -> None:
     require(cfg.train.skip_spikes in ("auto", "on", "off"), "train.skip_spikes", "must be 'auto', 'on' or 'off'")
     require(cfg.train.spike_window >= 2, "train.spike_window", "must be >= 2")
     require(cfg.train.spike_sigmas > 0, "train.spike_sigmas", "must be > 0")
+    require(cfg.train.collective_timeout > 0, "train.collective_timeout", "must be > 0 (seconds)")
 
     require(cfg.optimizer.lr > 0, "optimizer.lr", "must be > 0")
     require(len(cfg.optimizer.betas) == 2 and all(0 <= b < 1 for b in cfg.optimizer.betas),

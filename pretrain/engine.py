@@ -6,6 +6,7 @@ import ctypes
 import hashlib
 import os
 import random
+import re
 import socket
 import sys
 import warnings
@@ -45,6 +46,37 @@ def distributed_env() -> tuple[int, int, int]:
             s.bind(("127.0.0.1", 0))
             env["MASTER_PORT"] = str(s.getsockname()[1])
     return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"])
+
+
+GLOO_PEER_ERROR = re.compile(r"\[([0-9A-Fa-f.:]+)\]:\d+: ([^.]+)")
+"""gloo's message for a connection to a peer that broke: `... [ADDRESS]:PORT: REASON. ...`."""
+
+
+def lost_peer_line(error: BaseException, timeout_s: float) -> str | None:
+    """The one line for a collective that failed because another process of the job is gone (its
+    node failed or was cut off from the network), or None for any other error. gloo raises a
+    RuntimeError naming the peer's address (or a time-out, naming none); NCCL and the
+    rendezvous store raise torch.distributed.DistError."""
+    import torch.distributed as dist
+
+    text = str(error)
+    if not isinstance(error, dist.DistError) and "/gloo/" not in text:
+        return None
+    found = GLOO_PEER_ERROR.search(text)
+    if found:
+        address, reason = found.groups()
+        try:
+            peer = f"{socket.gethostbyaddr(address)[0]} ({address})"
+        except OSError:
+            peer = address
+        what = f"lost the connection to {peer}: {reason.strip()}"
+    elif "Timed out" in text or "timed out" in text:
+        what = f"another process sent nothing for train.collective_timeout={timeout_s:g} s"
+    else:
+        what = text.strip().splitlines()[0][:300]
+    return (f"error: a collective failed on {socket.gethostname()}, {what}; a node of the job failed "
+            "or was cut off, and the job cannot go on without it: rerun it (a Slurm job is "
+            "requeued) to resume from the newest complete checkpoint")
 
 
 def training_device(wanted: str, local_rank: int) -> torch.device:

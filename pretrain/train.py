@@ -25,18 +25,19 @@ import platform
 import sys
 import time
 from dataclasses import asdict
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import yaml
 
-from common.cli import ArgumentParser, write_exit_file
+from common.cli import EXIT_DIR_VARIABLE, ArgumentParser, write_exit_file
 from common.fileio import atomic_write_text
 from pretrain.checkpoint import CheckpointError, CheckpointManager, ResumeState, data_identity
 from pretrain.config import (ConfigError, RunConfig, batch_split, compute_precision, describe_attention,
                              describe_batch_split, load_config, model_config, resolved_precision, to_dict, validate)
 from pretrain.engine import (configure_device_math, deepspeed_config, distributed_env, initialize,
-                             seed_process, training_device)
+                             lost_peer_line, seed_process, training_device)
 from pretrain.evaluate import EvalResult, evaluate, evaluate_downstream
 from pretrain.faults import Faults
 from pretrain.flops import peak_tflops
@@ -81,7 +82,7 @@ class Trainer:
         from data_pipeline.loader import build_loader, read_manifest
 
         cfg = self.cfg
-        deepspeed.init_distributed(verbose=False)
+        deepspeed.init_distributed(verbose=False, timeout=timedelta(seconds=cfg.train.collective_timeout))
         preflight(cfg, self.checkpoints)  # before any work
         self.manifest = manifest = self.prepare_data()
         self.data = data_identity(manifest, [(read_manifest(entry.path), entry.proportion, entry.repeat)
@@ -383,6 +384,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="only check the config, the data and the checkpoint to resume from, then exit")
     parser.add_argument("--world-size", type=int, default=None,
                         help="with --check: the number of processes the run will have")
+    parser.add_argument("--node-rank", type=int, default=0,
+                        help="with --check: this node's rank in a multi-node launch; the nodes after "
+                             "the first leave out whether another trainer holds the run (node 0 asks)")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value",
                         help="config overrides, values parsed as YAML (e.g. zero.stage=3)")
     args = parser.parse_args(argv)
@@ -390,14 +394,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"argument --world-size: must be >= 1, got {args.world_size}")
     from data_pipeline.errors import DataError
 
-    error = ""
+    error, lost_peer, cfg = "", None, None
     try:
         world_size = args.world_size if args.check and args.world_size else distributed_env()[1]
         cfg = load_config(args.config, args.overrides)
         # a login node checks a GPU run (train.device=cuda) as the GPU nodes will run it
         validate(cfg, world_size, on_gpu := cfg.train.device == "cuda" or torch.cuda.is_available())
         if args.check:
-            preflight(cfg, CheckpointManager(cfg, rank=0, world_size=world_size), checking_only=True)
+            # checked as this node's first rank: only rank 0 asks whether a trainer holds the run
+            first_rank = 0 if args.node_rank == 0 else 1
+            preflight(cfg, CheckpointManager(cfg, rank=first_rank, world_size=world_size), checking_only=True)
             ready = f"{args.config}: ready for {world_size} process(es): {describe_batch_split(cfg, world_size)}"
             print("\n".join([ready, *describe_attention(cfg, on_gpu)]))
         code = 0 if args.check else run(cfg)
@@ -406,9 +412,16 @@ def main(argv: list[str] | None = None) -> int:
         code = 2 if isinstance(e, (ConfigError, DataError)) else 1
     except (Aborted, StoppedInSetup, KeyboardInterrupt) as stop:  # KeyboardInterrupt: before the first step
         error, code = stopped_line(stop)
-    if error and int(os.environ.get("RANK", "0")) == 0:
+    except RuntimeError as e:  # a lost peer ends each surviving rank in one line; anything else is a bug
+        lost_peer = lost_peer_line(e, cfg.train.collective_timeout if cfg else 0)
+        if lost_peer is None:
+            raise
+        error, code = lost_peer, 1
+    # Rank 0 says why the job ended; after a lost peer every rank says so in its own log (under
+    # torchrun the launcher says it once per node, from the exit files).
+    if error and (int(os.environ.get("RANK", "0")) == 0 or (lost_peer and not os.environ.get(EXIT_DIR_VARIABLE))):
         print(error, file=sys.stderr, flush=True)
-    if dist.is_initialized():
+    if dist.is_initialized() and not lost_peer:  # with a peer gone, tearing down could wait on it
         dist.destroy_process_group()
     write_exit_file(code, error)
     return code

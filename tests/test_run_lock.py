@@ -3,13 +3,19 @@ any work with one line naming the holder; the lock dies with its holder, so a re
 kill -9 resumes as before."""
 from __future__ import annotations
 
+import fcntl
+import os
 import signal
 import socket
 import subprocess
+import threading
+import time
 
 import pytest
 
 import trainer_runs as runs
+from conftest import run_at_once
+from pretrain.runlock import CHECK_WAIT_S, RunLock, hold_run, lock_file
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -47,6 +53,9 @@ def test_a_live_run_is_held_and_a_killed_holder_leaves_no_stale_lock(tmp_path):
         # the launcher's check says the same, in one process
         check = runs.train_here(["--check", f"run_name={name}"])
         assert check.returncode == 2 and holder_says in one_error_line(check.stderr)
+        # except on the nodes after the first of a multi-node launch, where the holder can be the
+        # job's own rank 0 (started before this node's check): node 0's check asks
+        assert runs.train_here(["--check", "--node-rank", "1", f"run_name={name}"]).returncode == 0
         # and resume=restart does not move a live run aside
         restart = runs.train_here([f"run_name={name}", "resume=restart"])
         assert restart.returncode == 2 and holder_says in one_error_line(restart.stderr)
@@ -61,3 +70,30 @@ def test_a_live_run_is_held_and_a_killed_holder_leaves_no_stale_lock(tmp_path):
     resumed = runs.train_here([f"run_name={name}", f"train.max_steps={latest + 2}"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resuming at step {latest}" in resumed.stderr + resumed.stdout
+
+
+def test_the_checks_of_a_jobs_nodes_never_fail_each_other(tmp_path):
+    """Each node of a multi-node launch runs its check at about the same instant (a requeue
+    starts them together): checks take the lock shared, so they never find each other holding
+    it, and a trainer starting while checks hold it waits for them."""
+    run_dir = tmp_path / "run"
+    lock_file(run_dir).touch()  # a run that had a trainer once: the checks do take the lock
+
+    def checks():
+        for _ in range(300):
+            hold_run(run_dir, rank=0, checking_only=True)
+        return "ok"
+
+    assert run_at_once(checks, processes=3) == ["ok"] * 3
+
+    check = os.open(lock_file(run_dir), os.O_RDONLY)
+    fcntl.flock(check, fcntl.LOCK_SH)  # a check, holding on for longer than any does
+    trainer = RunLock(run_dir)
+
+    def let_go():
+        time.sleep(0.5)
+        os.close(check)
+    threading.Thread(target=let_go).start()
+    started = time.monotonic()
+    assert trainer.acquire() and 0.4 < time.monotonic() - started < CHECK_WAIT_S
+    trainer.release()
