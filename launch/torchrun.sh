@@ -18,6 +18,8 @@
 #   GRACE_SECONDS    how long torchrun lets workers checkpoint after SIGTERM/SIGUSR1 (default 300)
 #   PYTHON           interpreter (default: .venv/bin/python if present, else python3)
 #   CLUSTER_PROFILE  the cluster profile to source (default: launch/cluster.sh, if present)
+#   SKIP_CHECK       1: the caller ran `pretrain.train --check` for the whole job already
+#                    (slurm.sbatch does, once per job), so this node does not run it again
 set -euo pipefail
 
 fail() {  # a bad input: one line, exit 2
@@ -65,6 +67,8 @@ elif [ -n "${CLUSTER_PROFILE:-}" ]; then
 fi
 MASTER_ADDR=${caller_master_addr:-${MASTER_ADDR:-}}
 
+"$repo_root/launch/check_interfaces.sh" "$profile" || exit 2
+
 if [ -z "${PYTHON:-}" ]; then
   if [ -x "$repo_root/.venv/bin/python" ]; then PYTHON="$repo_root/.venv/bin/python"; else PYTHON=python3; fi
 fi
@@ -85,6 +89,7 @@ whole_number GRACE_SECONDS 0
 # pretrain.torchrun is torchrun itself, exiting with the trainer's code (75 after a checkpoint
 # saved on a signal, 2 for a bad config) and leaving out torchrun's own failure report, so that
 # rank 0's one-line error is the last line of a failed launch.
+node_rank=0  # of a static multi-node rendezvous; 0 for every node of a c10d one
 args=(--nproc_per_node="$NPROC_PER_NODE"
       --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1
       --shutdown-timeout="$GRACE_SECONDS")
@@ -98,12 +103,18 @@ else
   [ -n "$MASTER_ADDR" ] || fail "MASTER_ADDR must be set when NNODES > 1 (or set RDZV_ENDPOINT)"
   MASTER_PORT=${MASTER_PORT:-29500}
   whole_number NODE_RANK 0 "$((NNODES - 1))"
+  node_rank=$NODE_RANK
   whole_number MASTER_PORT 1 65535
   args+=(--nnodes="$NNODES" --node_rank="$NODE_RANK" --master_addr="$MASTER_ADDR"
          --master_port="$MASTER_PORT")
 fi
 
 cd "$repo_root"
-# The config, data and resume checks once, in one process, before any rank starts.
-"$PYTHON" -m pretrain.train --check --world-size "$((NPROC_PER_NODE * NNODES))" --config "$config" "$@" || exit
+# The config, data and resume checks once, in one process, before any rank starts. On the nodes
+# after the first they leave out whether another trainer holds the run: node 0's check asks
+# that, and here the holder could be this job's own rank 0, started already.
+if [ "${SKIP_CHECK:-0}" != 1 ]; then
+  "$PYTHON" -m pretrain.train --check --world-size "$((NPROC_PER_NODE * NNODES))" \
+    --node-rank "$node_rank" --config "$config" "$@" || exit
+fi
 exec "$PYTHON" -m pretrain.torchrun "${args[@]}" -m pretrain.train --config "$config" "$@"

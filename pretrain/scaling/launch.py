@@ -161,9 +161,12 @@ def write_slurm_array(sweep: Sweep, config_paths: list[Path]) -> Path | None:
     runs_file.write_text("".join(f"{p}\n" for p in config_paths))
     spec = sweep.slurm
     array = f"0-{len(config_paths) - 1}" + (f"%{spec.max_parallel}" if spec.max_parallel else "")
+    # the options README's launch/slurm.sbatch lines take, each only where the sweep sets it
     command = ["sbatch", f"--array={array}", f"--job-name={sweep.name}", f"--nodes={spec.nodes}",
-               f"--gpus-per-node={spec.gpus_per_node}", f"--time={spec.time}", *spec.extra_args,
-               "launch/slurm.sbatch", str(runs_file)]
+               *([f"--gpus-per-node={spec.gpus_per_node}"] if spec.gpus_per_node else []),
+               *([f"--cpus-per-task={spec.cpus_per_task}"] if spec.cpus_per_task else []),
+               *([f"--export=ALL,PROCS_PER_NODE={spec.procs_per_node}"] if spec.procs_per_node else []),
+               f"--time={spec.time}", *spec.extra_args, "launch/slurm.sbatch", str(runs_file)]
     script = sweep.directory / "submit.sh"
     script.write_text("#!/usr/bin/env bash\n# Run from the repository root.\nset -euo pipefail\n"
                       + " ".join(command) + "\n")

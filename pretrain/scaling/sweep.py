@@ -60,7 +60,14 @@ class SlurmSpec:
     nodes: int = 1
     """Nodes per run."""
     gpus_per_node: int = 8
-    """GPUs per node."""
+    """GPUs per node (`--gpus-per-node`); 0 asks for none, for CPU nodes (a GPU request makes
+    Slurm refuse the job where nodes have none)."""
+    procs_per_node: int = 0
+    """Processes per node (launch/slurm.sbatch's PROCS_PER_NODE); 0: one per GPU, or one on a
+    node without GPUs."""
+    cpus_per_task: int = 0
+    """CPUs of a node's one task, its trainers and loader workers (`--cpus-per-task`); 0: not
+    given, the CPUs the job gets on the node."""
     time: str = "24:00:00"
     """Time limit per array task (runs resume after preemption or timeout)."""
     max_parallel: int = 0
@@ -178,8 +185,10 @@ def load_sweep(path: str | Path, overrides: list[str] = ()) -> Sweep:
         raise ValueError(f"{path}: warmup_fraction must be in [0, 1)")
     if sweep.threads_per_process is not None and sweep.threads_per_process < 1:
         raise ValueError(f"{path}: threads_per_process must be at least 1")
-    if sweep.nproc_per_node < 1 or sweep.slurm.nodes < 1 or sweep.slurm.gpus_per_node < 1:
-        raise ValueError(f"{path}: process, node and GPU counts must be at least 1")
+    if sweep.nproc_per_node < 1 or sweep.slurm.nodes < 1:
+        raise ValueError(f"{path}: process and node counts must be at least 1")
+    if min(sweep.slurm.gpus_per_node, sweep.slurm.procs_per_node, sweep.slurm.cpus_per_task) < 0:
+        raise ValueError(f"{path}: slurm: gpus_per_node, procs_per_node and cpus_per_task must be >= 0")
     if sweep.slurm.max_parallel < 0:
         raise ValueError(f"{path}: slurm: max_parallel must be >= 0")
     if any(not sizes for sizes in [sweep.sizes] + [f.sizes for f in sweep.families.values()

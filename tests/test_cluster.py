@@ -1,0 +1,315 @@
+"""Multi-node for real: launch/slurm.sbatch and launch/torchrun.sh on a Slurm cluster of namespace
+nodes (tests/cluster.py), CPU nodes with gloo over the cluster's bridge. Each job trains the
+tiny GPT on a character-level corpus for a dozen steps; losses are compared with a run of the
+same world size on this one host.
+
+The cluster needs root and Debian's slurmctld, slurmd, slurm-client and munge (.ci/run installs
+them). Without them these tests skip with one line saying what is missing, except in CI
+(CI=true), where that is a failure."""
+from __future__ import annotations
+
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests import cluster as namespace_cluster
+from tests.trainer_runs import process_tree
+
+REPO = Path(__file__).resolve().parent.parent
+N_STEPS = 12
+CKPT_INTERVAL = 4
+COLLECTIVE_TIMEOUT_S = 15
+BASE_CONFIG = {
+    "seed": 7,
+    "model": {"flavor": "gpt-tiny"},
+    # 12 sequences: 6 x 2 processes, or 4 x 3
+    "data": {"seq_len": 32, "micro_batch_size": 6, "num_workers": 1},
+    "optimizer": {"lr": 3e-3},
+    "schedule": {"kind": "cosine", "warmup_steps": 2, "min_lr": 3e-4},
+    "train": {"max_steps": N_STEPS, "global_batch_size": 12, "log_interval": 1,
+              "collective_timeout": COLLECTIVE_TIMEOUT_S},
+    "zero": {"stage": 2},
+    "checkpoint": {"interval": CKPT_INTERVAL, "keep": 5},
+    "eval": {"interval": 0},
+}
+
+
+@pytest.fixture(scope="module")
+def shared():
+    """The cluster's shared filesystem for these tests: outside /tmp, which every node has its
+    own of. Holds the dataset, the config, the runs and the job logs."""
+    reason = namespace_cluster.missing()
+    if reason:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI runs the multi-node tests, but {reason}")
+        pytest.skip(reason)
+    root = Path(tempfile.mkdtemp(prefix="pretrain-cluster-tests-", dir="/var/tmp"))
+    from data_pipeline.prepare import prepare
+
+    # 11,920 windows: streaming's canonical node count 16, which 3 nodes do not divide
+    prepare("shakespeare", str(root / "data"), seq_len=32, val_fraction=0.05, tokenizer="char",
+            max_docs=50, num_proc=1)
+    config = {**BASE_CONFIG, "output_root": str(root / "runs"),
+              "data": {**BASE_CONFIG["data"], "path": str(root / "data")}}
+    (root / "base.yaml").write_text(yaml.safe_dump(config))
+    (root / "logs").mkdir()
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def slurm(shared):
+    """Three namespace nodes n1-n3 under Slurm, for the whole module."""
+    cluster = namespace_cluster.Cluster(shared / "slurm", 3)
+    try:
+        yield cluster.up()
+    finally:
+        cluster.down()
+
+
+def job_env(**extra: str) -> dict[str, str]:
+    """What the tests submit with (sbatch exports it to the job): one thread per process, as
+    the one-host references run, and nothing of this process's own launch variables."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC"))}
+    return {**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra}
+
+
+def submit(slurm, shared: Path, *sbatch_options: str, overrides=(), env=None) -> int:
+    """`sbatch [options] launch/slurm.sbatch BASE_CONFIG [overrides]` from the repository, as the
+    README writes it, with the job's output in the shared logs directory."""
+    return slurm.sbatch(f"--output={shared}/logs/slurm-%x-%j.out", *sbatch_options,
+                        "launch/slurm.sbatch", str(shared / "base.yaml"), *overrides,
+                        cwd=REPO, env=job_env(**(env or {})))
+
+
+def log(shared: Path, job: int, node: int | None = None) -> str:
+    path = shared / "logs" / (f"slurm-pretrain-{job}.out" if node is None else f"slurm-pretrain-{job}-node{node}.out")
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def wait_until(condition, what: str, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting for {what}"
+        time.sleep(0.2)
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """step -> train loss, the last value logged for each step (a resumed run logs its steps
+    after the checkpoint again)."""
+    from pretrain.scaling.experiments.common import scalar_curve
+
+    return dict(scalar_curve(run_dir, "train/loss"))
+
+
+def one_host_run(shared: Path, name: str, processes: int, *overrides: str) -> dict[int, float]:
+    """The same config trained by torchrun on this host (loopback), for reference."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={processes}", "-m", "pretrain.train", "--config",
+               str(shared / "base.yaml"), f"run_name={name}", *overrides]
+    done = subprocess.run(command, cwd=REPO, env=job_env(PYTHONPATH=str(REPO)), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return losses(shared / "runs" / name)
+
+
+def assert_same_losses(got: dict[int, float], expected: dict[int, float], rel: float = 0.0) -> None:
+    assert sorted(got) == sorted(expected) == list(range(1, N_STEPS + 1))
+    for step, value in expected.items():
+        assert math.isclose(got[step], value, rel_tol=rel, abs_tol=0.0), (step, got[step], value)
+
+
+def no_traceback(text: str) -> None:
+    assert "Traceback" not in text and "[rank" not in text, text[-3000:]
+
+
+@pytest.fixture(scope="module")
+def reference_two(shared):
+    """The uninterrupted 2-process run on one host."""
+    return one_host_run(shared, "one-host-2", 2)
+
+
+def test_a_preempted_job_checkpoints_requeues_and_resumes_exactly(slurm, shared, reference_two):
+    """`scancel --signal=USR1 --batch` mid-run, in the one-task-per-process mode (TASK_PER_GPU=1,
+    srun starts the trainers itself): checkpoint, requeue (restart 1), resume; every step's loss
+    equals the uninterrupted one-host run's (2 processes either way: the same two micro-batches,
+    summed in either order)."""
+    job = submit(slurm, shared, "--nodes=2", "--ntasks-per-node=1", overrides=["run_name=preempted"],
+                 env={"TASK_PER_GPU": "1"})
+    run = shared / "runs" / "preempted"
+    wait_until(lambda: (run / "ckpt" / "step_00000004" / "complete.json").exists(), "the first checkpoint")
+    subprocess.run(["scancel", "--signal=USR1", "--batch", str(job)], env=slurm.env, check=True)
+    fields = slurm.wait_job(job, 240, states=("COMPLETED", "FAILED", "CANCELLED"))
+    output = log(shared, job)
+    assert fields["JobState"] == "COMPLETED", output[-3000:]
+    assert fields["Restarts"] == "1"
+    assert "2 node(s) x 1 process(es)" in output
+    assert "asking the trainers to checkpoint and stop" in output and f"requeueing job {job}" in output
+    assert "restart 1" in output
+    task0 = (shared / "logs" / f"slurm-pretrain-{job}-node0-task0.out").read_text()
+    task1 = (shared / "logs" / f"slurm-pretrain-{job}-node1-task1.out").read_text()
+    assert "saved checkpoint" in task0 and re.search(r"resuming at step \d+", task0)
+    no_traceback(task0 + task1)
+    assert_same_losses(losses(run), reference_two)
+
+
+def test_three_nodes_train_like_two_processes_on_one_host(slurm, shared, reference_two):
+    """3 nodes, which streaming's partition refuses against its canonical node count (16 here):
+    the same global batches as 2 processes on one host, so the same losses, up to the rounding
+    of sums over 3 ranks' contributions instead of 2."""
+    job = submit(slurm, shared, "--nodes=3", overrides=["run_name=three"])
+    fields = slurm.wait_job(job, 240)
+    assert fields["JobState"] == "COMPLETED", (log(shared, job) + log(shared, job, 0))[-3000:]
+    assert "3 node(s) x 1 process(es)" in log(shared, job)
+    assert "micro-batch 4 x 3 process(es)" in log(shared, job, 0)
+    assert_same_losses(losses(shared / "runs" / "three"), reference_two, rel=1e-5)
+
+
+def job_nodes(slurm, job: int) -> list[int]:
+    names = subprocess.run(["scontrol", "show", "hostnames", slurm.job(job)["NodeList"]], env=slurm.env,
+                           capture_output=True, text=True, check=True).stdout.split()
+    return [int(name.removeprefix("n")) for name in names]
+
+
+def test_node_lost_mid_checkpoint_requeues_and_resumes_from_the_newest_complete_one(slurm, shared,
+                                                                                   reference_two):
+    """The README's line for CPU nodes, `sbatch --nodes=2 launch/slurm.sbatch CONFIG` (one process
+    per node, no GPU request). A node fails while the job writes its second checkpoint: the surviving node ends within
+    train.collective_timeout in one line naming the lost node, Slurm requeues the job on the
+    nodes that are up, and it resumes from the first checkpoint (never the partial second one),
+    with the uninterrupted run's losses."""
+    stall = shared / "stall-checkpoints"
+    job = submit(slurm, shared, "--nodes=2", overrides=["run_name=node-lost", f"fault.checkpoint_stall_file={stall}"])
+    run = shared / "runs" / "node-lost"
+    wait_until(lambda: (run / "ckpt" / "step_00000004" / "complete.json").exists(), "the first checkpoint")
+    stall.touch()  # the next checkpoint waits, written but not marked complete, until this goes
+    partial = run / "ckpt" / "step_00000008"
+    wait_until(lambda: (partial / "mp_rank_00_model_states.pt").exists(), "the second checkpoint's files")
+    lost = job_nodes(slurm, job)[1]
+    slurm.kill_node(lost)
+    killed = time.monotonic()
+    stall.unlink()
+    wait_until(lambda: "a collective failed" in log(shared, job, 0), "the survivor's line", timeout=60)
+    assert time.monotonic() - killed < COLLECTIVE_TIMEOUT_S + 10
+    node0 = log(shared, job, 0)
+    assert f"lost the connection to n{lost}" in node0
+    no_traceback(node0)
+    assert not (partial / "complete.json").exists()
+    # Slurm notices the lost node after SlurmdTimeout and requeues the job on two nodes that are up
+    fields = slurm.wait_job(job, 300, states=("COMPLETED", "FAILED", "CANCELLED"))
+    slurm.wait_nodes("down*", 60, nodes=[lost])
+    slurm.start_node(lost)
+    assert fields["JobState"] == "COMPLETED", log(shared, job)[-3000:]
+    assert fields["Restarts"] == "1"
+    assert "resuming at step 4" in log(shared, job, 0)
+    assert_same_losses(losses(run), reference_two)
+    slurm.wait_nodes("idle", 60)
+
+
+def test_a_config_that_cannot_split_its_batch_ends_before_any_task_and_is_not_requeued(slurm, shared):
+    job = submit(slurm, shared, "--nodes=3", overrides=["run_name=bad-split", "train.global_batch_size=8"])
+    fields = slurm.wait_job(job, 120)
+    assert fields["JobState"] == "FAILED" and fields["ExitCode"] == "2:0" and fields["Restarts"] == "0"
+    errors = [line for line in log(shared, job).splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "train.global_batch_size=8: 3 processes cannot share it" in errors[0]
+    assert not log(shared, job, 0)  # no srun step ran
+    assert not (shared / "runs" / "bad-split").exists()
+
+
+def test_a_profile_naming_a_missing_interface_ends_in_one_line(slurm, shared, tmp_path):
+    profile = shared / "ib-profile.sh"
+    profile.write_text("export GLOO_SOCKET_IFNAME=ib0\n")
+    job = submit(slurm, shared, "--nodes=2", overrides=["run_name=no-ib"], env={"CLUSTER_PROFILE": str(profile)})
+    fields = slurm.wait_job(job, 120)
+    assert fields["JobState"] == "FAILED" and fields["ExitCode"] == "2:0" and fields["Restarts"] == "0"
+    errors = [line for line in log(shared, job).splitlines() if line.startswith("error:")]
+    assert errors == [f"error: GLOO_SOCKET_IFNAME=ib0: no interface ib0 on n1; this node has: eth0 lo "
+                      f"(set it in {profile})"]
+    assert not log(shared, job, 0)
+
+
+def test_max_requeues_reached_is_said(slurm, shared):
+    """A preemption with MAX_REQUEUES=0 (here during the job's check, before any task): the job
+    says it does not requeue, and ends."""
+    job = submit(slurm, shared, "--nodes=2", overrides=["run_name=no-requeue"], env={"MAX_REQUEUES": "0"})
+    wait_until(lambda: "slurm.sbatch: 2 node(s)" in log(shared, job), "the job to start")
+    subprocess.run(["scancel", "--signal=USR1", "--batch", str(job)], env=slurm.env, check=True)
+    fields = slurm.wait_job(job, 120)
+    output = log(shared, job)
+    assert "slurm.sbatch: not requeueing, MAX_REQUEUES=0 reached" in output, output
+    assert fields["Restarts"] == "0" and fields["JobState"] == "FAILED" and fields["ExitCode"] == "75:0"
+
+
+def test_a_scaling_sweep_runs_as_a_job_array_and_fits(slurm, shared):
+    sweep = {"name": "sw", "base_config": str(shared / "base.yaml"), "output_root": str(shared / "sweeps"),
+             "families": {"gpt": {"flavor": "gpt-tiny"}}, "sizes": {"w8": {"n_embd": 8}, "w16": {"n_embd": 16}, "w32": {"n_embd": 32}},
+             "tokens": {"fixed": [3072]},
+             "slurm": {"gpus_per_node": 0, "time": "0:10:00",
+                       "extra_args": [f"--output={shared}/logs/slurm-%x-%A_%a.out"]}}
+    path = shared / "sweep.yaml"
+    path.write_text(yaml.safe_dump(sweep))
+    env = {**job_env(PYTHONPATH=str(REPO)), "SLURM_CONF": str(slurm.conf)}
+    done = subprocess.run([sys.executable, "-m", "pretrain.scaling", "run", str(path), "--slurm"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    script = shared / "sweeps" / "sw" / "submit.sh"
+    assert "--gpus-per-node" not in script.read_text()
+    submitted = subprocess.run(["bash", str(script)], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert submitted.returncode == 0, submitted.stderr
+    job = int(submitted.stdout.split()[-1])
+    for task in (0, 1, 2):
+        fields = slurm.wait_job(f"{job}_{task}", 300)
+        assert fields["JobState"] == "COMPLETED", fields
+    fit = subprocess.run([sys.executable, "-m", "pretrain.scaling", "fit", str(shared / "sweeps" / "sw"),
+                          "--out", str(shared / "fit")], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert fit.returncode == 0, fit.stderr
+    fits = (shared / "fit" / "fits.md").read_text()
+    assert "L(N)" in fits and "gpt" in fits, fits
+
+
+def two_host_launch(bare, shared: Path, node: int, name: str) -> subprocess.Popen:
+    """launch/torchrun.sh on namespace node `node` (1 or 2) of a two-host static rendezvous."""
+    env = job_env(NNODES="2", NODE_RANK=str(node - 1), MASTER_ADDR="n1", MASTER_PORT="29511",
+                  NPROC_PER_NODE="1", GRACE_SECONDS="5")
+    command = bare.on_node(node, ["bash", "launch/torchrun.sh", str(shared / "base.yaml"), f"run_name={name}"])
+    return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+def test_two_host_torchrun_survives_a_lost_host_and_resumes_exactly(slurm, shared, reference_two):
+    """Two hosts without Slurm (n1 and n2 of the cluster, started by hand as a user would): one
+    host lost mid-run; the other ends within train.collective_timeout in one line; both
+    started again resume with the uninterrupted run's losses."""
+    name = "two-hosts"
+    first, second = (two_host_launch(slurm, shared, node, name) for node in (1, 2))
+    run = shared / "runs" / name
+    wait_until(lambda: (run / "ckpt" / "step_00000004" / "complete.json").exists() and
+               5 in losses(run), "step 5", timeout=240)
+    killed = time.monotonic()
+    for pid in process_tree(second.pid):  # the host's launcher and trainer die at once
+        os.kill(pid, signal.SIGKILL)
+    out, _ = first.communicate(timeout=COLLECTIVE_TIMEOUT_S + 30)
+    assert time.monotonic() - killed < COLLECTIVE_TIMEOUT_S + 10
+    assert first.returncode != 0
+    lines = out.strip().splitlines()
+    assert "a collective failed on n1" in lines[-1] and "n2" in lines[-1], out[-3000:]
+    no_traceback(out)
+    second.wait()
+    first, second = (two_host_launch(slurm, shared, node, name) for node in (1, 2))
+    out, _ = first.communicate(timeout=300)
+    second.communicate(timeout=60)
+    assert first.returncode == 0 and second.returncode == 0, out[-3000:]
+    assert re.search(r"resuming at step (4|8)", out)
+    assert_same_losses(losses(run), reference_two)
