@@ -2,6 +2,7 @@
 Python interpreter on PATH record what the real ones would have been asked to run, and with which
 environment."""
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -143,15 +144,17 @@ def test_sbatch_builds_one_torchrun_per_node(slurm_env):
     assert (record / "srun").read_text().splitlines() == [
         "SRUN_CPUS_PER_TASK=64 --kill-on-bad-exit=1 --cpus-per-task=64 --ntasks-per-node=1 "
         "--output=checkpoints/slurm-%x-%j-node%n.out"]
-    calls = sorted((record / "calls").read_text().splitlines())
+    calls = (record / "calls").read_text().splitlines()
+    # the job's one check, in the batch script before srun, for all 8 processes; the nodes skip theirs
+    assert calls[0] == "NODE_RANK= -m pretrain.train --check --world-size 8 --config configs/tiny/gpt.yaml train.max_steps=7"
+    calls = sorted(calls[1:])
     config = str(REPO / "configs/tiny/gpt.yaml")
     expected = sorted([
         f"NODE_RANK={rank} -m pretrain.torchrun --nproc_per_node=4 {TORCHRUN_SIGNALS} "
         f"--shutdown-timeout=240 --nnodes=2 --node_rank={rank} --master_addr=gpu-a17 "
         f"--master_port=24242 -m pretrain.train --config {config} train.max_steps=7"
         for rank in (0, 1)
-    ] + [f"NODE_RANK={rank} -m pretrain.train --check --world-size 8 --config {config} train.max_steps=7"
-         for rank in (0, 1)])
+    ])
     assert calls == expected
     assert not (record / "requeued").exists()
 
@@ -204,8 +207,9 @@ def test_sbatch_job_array_picks_its_line(slurm_env, tmp_path):
     result = _sbatch(env, str(listing))
     assert result.returncode == 0, result.stderr
     calls = (record / "calls").read_text().splitlines()
-    assert len(calls) == 4  # per node: the check, then the launch
-    assert all(c.endswith(f"--config {REPO / 'configs/tiny/nrgpt.yaml'} seed=2") for c in calls)
+    assert len(calls) == 3  # the job's check, then the launch on each node
+    assert calls[0].endswith("--config configs/tiny/nrgpt.yaml seed=2")
+    assert all(c.endswith(f"--config {REPO / 'configs/tiny/nrgpt.yaml'} seed=2") for c in calls[1:])
 
 
 def test_sbatch_forwards_usr1_and_requeues(slurm_env):
@@ -250,8 +254,9 @@ def test_sbatch_signal_during_the_check_requeues_without_starting_tasks(slurm_en
     ({}, ["sweep.txt"], "error: sweep.txt is a config list, which needs a job array (sbatch --array=...)"),
     ({"SLURM_ARRAY_TASK_ID": "5"}, ["sweep.txt"], "error: sweep.txt has no line for array task 5"),
     ({"TASK_PER_GPU": "1"}, ["configs/tiny/gpt.yaml"],
-     "error: TASK_PER_GPU=1 runs one task per GPU, but the job has 2 task(s) on 2 node(s) of 4 GPU(s); "
-     "submit with --ntasks-per-node=4 and --cpus-per-task at a GPU's share of a node's cores"),
+     "error: TASK_PER_GPU=1 runs one task per GPU (per process on CPU nodes), but the job has 2 task(s) on 2 "
+     "node(s) of 4 process(es); submit with --ntasks-per-node=4 and --cpus-per-task at a process's share of a "
+     "node's cores"),
     ({"CLUSTER_PROFILE": "no/such/profile.sh"}, ["configs/tiny/gpt.yaml"],
      "error: CLUSTER_PROFILE=no/such/profile.sh: no such file; name an existing profile "
      "(see launch/cluster.sh) or unset it"),
@@ -267,7 +272,7 @@ def test_sbatch_refuses_bad_input_in_one_line(slurm_env, tmp_path, knobs, args, 
 
 
 # The profile a cluster whose first hostname is not routable needs (as launch/cluster.sh shows).
-PROFILE = 'export NCCL_SOCKET_IFNAME=ib7\nMASTER_ADDR="$(hostname)-ib"\n'
+PROFILE = 'export NCCL_SOCKET_IFNAME=lo\nMASTER_ADDR="$(hostname)-ib"\n'
 
 
 def test_cluster_profile_is_sourced_by_both_launchers(slurm_env, tmp_path):
@@ -282,7 +287,7 @@ def test_cluster_profile_is_sourced_by_both_launchers(slurm_env, tmp_path):
     assert result.returncode == 0, result.stderr
     launches = [c for c in (record / "calls").read_text().splitlines() if "pretrain.torchrun" in c]
     assert len(launches) == 2 and all(" --master_addr=gpu-a17-ib " in c for c in launches)
-    assert [e["NCCL_SOCKET_IFNAME"] for e in _launched_environments(record)] == ["ib7", "ib7"]
+    assert [e["NCCL_SOCKET_IFNAME"] for e in _launched_environments(record)] == ["lo", "lo"]
 
     # torchrun.sh by hand on the first node: the profile's address, unless the caller gives one
     for path in record.iterdir():
@@ -295,7 +300,7 @@ def test_cluster_profile_is_sourced_by_both_launchers(slurm_env, tmp_path):
         assert result.returncode == 0, result.stderr
     launches = [c for c in (record / "calls").read_text().splitlines() if "pretrain.torchrun" in c]
     assert [c.split("--master_addr=")[1].split()[0] for c in launches] == ["gpu-a17-ib", "10.0.0.5"]
-    assert [e["NCCL_SOCKET_IFNAME"] for e in _launched_environments(record)] == ["ib7", "ib7"]
+    assert [e["NCCL_SOCKET_IFNAME"] for e in _launched_environments(record)] == ["lo", "lo"]
 
 
 def test_torchrun_script_profile_default_and_missing(tmp_path):
@@ -304,7 +309,8 @@ def test_torchrun_script_profile_default_and_missing(tmp_path):
     bin_dir.mkdir()
     _install(bin_dir, "fake-python", FAKE_PYTHON)
     (tmp_path / "launch").mkdir()
-    (tmp_path / "launch/torchrun.sh").write_bytes((REPO / "launch/torchrun.sh").read_bytes())
+    for script in ("torchrun.sh", "check_interfaces.sh"):
+        shutil.copy2(REPO / "launch" / script, tmp_path / "launch" / script)
     env = {"PATH": os.environ["PATH"], "RECORD_DIR": str(tmp_path), "PYTHON": str(bin_dir / "fake-python"),
            "NPROC_PER_NODE": "2"}
     config = str(REPO / "configs/tiny/gpt.yaml")
@@ -339,8 +345,9 @@ def test_torchrun_script_static_and_c10d(tmp_path):
     tail = f"-m pretrain.train --config {config} seed=3"
     head = f"-m pretrain.torchrun --nproc_per_node={{}} {TORCHRUN_SIGNALS} --shutdown-timeout=300"
     # each launch checks once, in one process, for the whole world size, before torchrun starts
-    assert calls[0::2] == [f"NODE_RANK={node} -m pretrain.train --check --world-size {world} --config {config} seed=3"
-                           for node, world in (("", 2), ("1", 16), ("", 24))]
+    # (on the nodes after the first of a static rendezvous without the run's lock: --node-rank)
+    assert calls[0::2] == [f"NODE_RANK={node} -m pretrain.train --check --world-size {world} --node-rank "
+                           f"{node or 0} --config {config} seed=3" for node, world in (("", 2), ("1", 16), ("", 24))]
     assert calls[1] == f"NODE_RANK= {head.format(2)} --standalone {tail}"
     assert calls[3] == (f"NODE_RANK=1 {head.format(8)} --nnodes=2 --node_rank=1 "
                         f"--master_addr=10.0.0.5 --master_port=29500 {tail}")
