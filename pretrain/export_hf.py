@@ -31,7 +31,7 @@ from safetensors.torch import save_file
 from common.fileio import atomic_directory, markdown_table, read_json, sha256_hex
 from pretrain.evaluate import results_file
 from pretrain.hf import native
-from pretrain.hf.load import CODE_PREFIX, RUN_FILE
+from pretrain.hf.load import CHECKSUM_FILE, CODE_PREFIX, RUN_FILE
 from pretrain.models import build, family_name, model_class
 from pretrain.summary import SUMMARY_FILE
 from pretrain.trained import TrainedModel
@@ -43,9 +43,6 @@ WRAPPER_MODULE = "pretrain.hf.modeling"
 CARRIED_PACKAGES = {"torch", "transformers"}
 """What carried code may import besides the standard library and its own package."""
 PACKAGE_IMPORT = re.compile(r"^(\s*)from pretrain\.(?:models|hf)\.(\w+) import", re.MULTILINE)
-CHECKSUM_FILE = "SHA256SUMS"
-"""The digests of every other file of an export, in `sha256sum`'s format: a copy moved between
-machines or hubs is checked with `sha256sum -c SHA256SUMS` in the directory."""
 TRAINING_ONLY = {"replay_buffer_size": 0}
 """Config fields that hold training state only (EBT's replay buffer: up to GBs of candidates),
 left out of exports."""
