@@ -65,7 +65,7 @@ class Trainer:
         self.split = batch_split(cfg, self.world_size)
         self.total_steps = cfg.total_steps
         self.run_dir = cfg.run_dir
-        self.checkpoints = CheckpointManager(cfg, self.rank, self.world_size)
+        self.checkpoints = CheckpointManager(cfg, self.rank, self.world_size, self.precision)
         self.state = TrainState()
         self.downstream: dict[str, float] = {}
         """The latest downstream scalars (eval.downstream), for summary.json."""
@@ -403,7 +403,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.check:
             # checked as this node's first rank: only rank 0 asks whether a trainer holds the run
             first_rank = 0 if args.node_rank == 0 else 1
-            preflight(cfg, CheckpointManager(cfg, rank=first_rank, world_size=world_size), checking_only=True)
+            preflight(cfg, CheckpointManager(cfg, rank=first_rank, world_size=world_size,
+                                             precision=resolved_precision(cfg, on_gpu)), checking_only=True)
             ready = f"{args.config}: ready for {world_size} process(es): {describe_batch_split(cfg, world_size)}"
             print("\n".join([ready, *describe_attention(cfg, on_gpu)]))
         code = 0 if args.check else run(cfg)
