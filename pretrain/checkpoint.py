@@ -46,7 +46,7 @@ import torch.distributed as dist
 import xxhash
 
 from common.fileio import atomic_write, atomic_write_text
-from pretrain.config import ConfigError, RunConfig, from_dict, get_key, model_config, to_dict
+from pretrain.config import REPLACED_SUFFIX, ConfigError, RunConfig, from_dict, get_key, model_config, to_dict
 from pretrain.engine import seed_process
 from pretrain.models import padded_vocab
 from pretrain.models.ebt import ReplayStore
@@ -705,7 +705,7 @@ class CheckpointManager:
         (never deleting anything); every rank waits for it."""
         run_dir = self.cfg.run_dir
         if self.rank == 0 and run_dir.exists():
-            aside = run_dir.with_name(f"{run_dir.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
+            aside = run_dir.with_name(run_dir.name + time.strftime(REPLACED_SUFFIX))
             os.replace(run_dir, aside)
             _warn(f"resume=restart: moved the previous run to {aside}; starting fresh")
         if dist.is_initialized():

@@ -126,6 +126,11 @@ CASES = {
     "compile with double backward": (check("model.flavor=ebt-tiny", "model.compile=inductor"), "double backward"),
     "resume path missing": (check("resume=no/such/run"), "must be 'auto', 'never', 'restart' or an existing"),
     "run name with a slash": (check("run_name=a/b"), "must be a plain directory name"),
+    "run name with a newline": (check('run_name="a\\nb"'), "run_name='a\\nb': must not hold control characters"),
+    "run name with a NUL byte": (check('run_name="a\\0b"'), "must not hold control characters"),
+    "run name with white space around it": (check("run_name=' run'"), "must not begin or end with white space"),
+    "hidden run name": (check("run_name=.done.lock"), "must not begin with '.'"),
+    "run name too long": (check("run_name=" + "r" * 231), "is 231 bytes long; at most 230 fit"),
     "no budget": (check("train.max_steps=null", "train.max_tokens=null"), "a budget is required"),
     "val fraction": (check("data.val_fraction=2"), "must be in (0, 1)"),
     "no data path": (check("data.path="), "data.path"),
@@ -300,6 +305,22 @@ def test_a_resume_in_a_precision_of_the_same_state_passes_the_check(world, run_n
     result = runs.command_here("pretrain.train", ["--check", "--config", str(world["config"]),
                                                   f"run_name={run_name}", f"train.precision={precision}"])
     assert result.returncode == 0 and "ready for 1 process(es)" in result.stdout, result.stderr[-2000:]
+
+
+def test_the_longest_run_name_is_counted_in_bytes_and_its_run_can_be_moved_aside(world, tmp_path):
+    """230 bytes (here 115 two-byte characters) pass the check; the name of the directory that
+    resume=restart moves the run to then has the 255 bytes a file name may have."""
+    import time
+
+    from pretrain.config import REPLACED_SUFFIX
+
+    longest = "é" * 115
+    result = runs.command_here("pretrain.train", ["--check", "--config", str(world["config"]), f"run_name={longest}"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    (tmp_path / longest).mkdir()
+    (tmp_path / longest).rename(tmp_path / (longest + time.strftime(REPLACED_SUFFIX)))  # fits
+    longer = runs.command_here("pretrain.train", ["--check", "--config", str(world["config"]), f"run_name={longest}r"])
+    assert longer.returncode == 2 and "is 231 bytes long; at most 230 fit" in longer.stderr, longer.stderr[-2000:]
 
 
 def test_prepare_help_shows_the_defaults():
