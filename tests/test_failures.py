@@ -385,6 +385,23 @@ def test_one_rank_failing_alone_ends_the_launch_at_once_with_its_line(tmp_path):
     assert ended_within < 15, f"the launch ended {ended_within:.0f} s after rank 1 failed"
 
 
+def test_ranks_ending_after_a_stop_signal_are_not_cut_short_by_the_failure_grace(tmp_path):
+    """After a stop signal every rank exits with 75, rank 0 last: it completes the checkpoint and
+    prunes the old ones after the others have gone. That is no failure: the launcher waits for
+    rank 0 (here twice the failure grace) and exits with 75, instead of killing it 5 s after the
+    first 75."""
+    from pretrain.torchrun import FAILED_PEER_GRACE_S
+
+    done = tmp_path / "done"
+    command = [runs.PYTHON, "-m", "pretrain.torchrun", "--nproc_per_node=2", "--standalone", TORCHRUN_SIGNALS,
+               str(runs.REPO / "tests/preempted_rank_worker.py"), str(2 * FAILED_PEER_GRACE_S), str(done)]
+    result = subprocess.run(command, cwd=runs.REPO, env=runs.child_env(), capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 75, result.stderr[-3000:]
+    assert done.read_text() == "pruned"
+    assert "error:" not in result.stderr, result.stderr[-3000:]
+
+
 UNSHARE = ["unshare", "--mount"] if os.geteuid() == 0 else ["unshare", "--user", "--map-root-user", "--mount"]
 """A mount namespace of its own (with a user namespace where the tests do not run as root)."""
 
