@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 import xxhash
 
-from common.fileio import atomic_write, atomic_write_text
+from common.fileio import amount, atomic_write, atomic_write_text, mount_point
 from pretrain.config import REPLACED_SUFFIX, ConfigError, RunConfig, from_dict, get_key, model_config, to_dict
 from pretrain.engine import seed_process
 from pretrain.models import padded_vocab
@@ -574,21 +574,6 @@ def _saved_size(state) -> int:
     return counter.count
 
 
-def _mount_point(path: Path) -> Path:
-    """The mount point of the file system holding `path` (which exists)."""
-    path = path.resolve()
-    while not os.path.ismount(path):
-        path = path.parent
-    return path
-
-
-def _amount(size: int) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if size >= scale:
-            return f"{size / scale:.1f} {unit} ({size:,} bytes)"
-    return f"{size:,} bytes"
-
-
 def read_rank_state(tag_dir: Path, rank: int) -> dict | None:
     """The state `rank` saved in `tag_dir` (RNG states, buffers), None if it saved none."""
     path = rank_state_file(tag_dir, rank)
@@ -806,9 +791,9 @@ class CheckpointManager:
             return (f"checkpoint {tag_dir} not saved: writing {failure.path} failed ({failure.reason}); "
                     f"the partial checkpoint was removed and {kept}; fix that, then rerun the same command to resume")
         free = shutil.disk_usage(self.ckpt_dir).free
-        return (f"checkpoint {tag_dir} not saved: out of space on {_mount_point(self.ckpt_dir)} (the file "
-                f"system of {self.ckpt_dir}; {failure.reason}): the checkpoint needs {_amount(needed)}, "
-                f"{_amount(free)} are free; the partial checkpoint was removed and {kept}; make room "
+        return (f"checkpoint {tag_dir} not saved: out of space on {mount_point(self.ckpt_dir)} (the file "
+                f"system of {self.ckpt_dir}; {failure.reason}): the checkpoint needs {amount(needed)}, "
+                f"{amount(free)} are free; the partial checkpoint was removed and {kept}; make room "
                 "there (or choose another output_root), then rerun the same command to resume")
 
     def load(self, engine) -> ResumeState | None:
