@@ -241,6 +241,8 @@ def resumed_state(config, overrides: list[str]) -> tuple[dict, dict]:
         return ({name: t.detach().clone() for name, t in engine.module.state_dict().items()},
                 {path: t.detach().clone() for path, t in tensors_in(engine.optimizer.state_dict()).items()})
     finally:
+        if hasattr(trainer, "metrics"):
+            trainer.metrics.close()
         trainer.close()
         dist.destroy_process_group()
         groups._WORLD_GROUP = None
@@ -249,20 +251,22 @@ def resumed_state(config, overrides: list[str]) -> tuple[dict, dict]:
         os.environ.update(saved_env)
 
 
-@pytest.mark.parametrize("stage", [0, 2])
-def test_an_fp32_checkpoint_resumes_in_bf16_autocast_with_exactly_its_saved_state(tmp_path, stage):
+@pytest.mark.parametrize("stage, saved, resumed", [(0, "fp32", "bf16-autocast"), (2, "fp32", "bf16-autocast"),
+                                                   (2, "bf16-autocast", "fp32")])
+def test_fp32_and_bf16_autocast_checkpoints_resume_in_each_other_with_exactly_their_saved_state(
+        tmp_path, stage, saved, resumed):
     """Why a resume may switch between fp32 and bf16-autocast (checkpoint.SAME_STATE_PRECISIONS):
-    a trainer in bf16-autocast set up from an fp32 checkpoint holds bit for bit the weights and
+    a trainer in one, set up from a checkpoint of the other, holds bit for bit the weights and
     optimizer state (Adam's moments, ZeRO's fp32 partitions) that the checkpoint saved."""
     import trainer_runs as runs
 
     run = [f"output_root={tmp_path}", f"zero.stage={stage}", "train.max_steps=2", "checkpoint.interval=2",
            "data.num_workers=0", "eval.sample_tokens=0"]
-    trained = runs.train_here([*run, "run_name=fp32", "train.precision=fp32"])
+    trained = runs.train_here([*run, "run_name=saved", f"train.precision={saved}"])
     assert trained.returncode == 0, trained.stderr[-3000:]
-    tag_dir = tmp_path / "fp32" / "ckpt" / "step_00000002"
-    module, optimizer = resumed_state(runs.base_config_file(), [*run, "run_name=autocast", "train.max_steps=4",
-                                                                "train.precision=bf16-autocast", f"resume={tag_dir}"])
+    tag_dir = tmp_path / "saved" / "ckpt" / "step_00000002"
+    module, optimizer = resumed_state(runs.base_config_file(), [*run, "run_name=resumed", "train.max_steps=4",
+                                                                f"train.precision={resumed}", f"resume={tag_dir}"])
     model_states = torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
     assert module.keys() == model_states["module"].keys()
     for name, saved in model_states["module"].items():
