@@ -132,8 +132,10 @@ def _leave_tensorboard_write_errors_to_metrics() -> None:
     error for the writer's next call and also raises it, for Python to print its traceback;
     `Metrics` reports that error in one line when the writer passes it on, so the thread's
     OSErrors are not printed (every other exception of every thread still is)."""
-    from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
-
+    try:  # a private class of tensorboard's (pinned in requirements.txt)
+        from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
+    except ImportError:  # another version: its thread's traceback is printed, nothing worse
+        return
     previous = threading.excepthook
     if getattr(previous, "leaves_tensorboard_write_errors", False):
         return
