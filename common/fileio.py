@@ -1,6 +1,7 @@
 """Small file utilities every component shares: atomic writes, JSON reads and Markdown tables."""
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -34,6 +35,33 @@ def sha256_hex(path: str | Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def mount_point(path: str | Path) -> Path:
+    """The mount point of the file system holding `path` (which exists)."""
+    path = Path(path).resolve()
+    while not os.path.ismount(path):
+        path = path.parent
+    return path
+
+
+def amount(size: int) -> str:
+    """A number of bytes for people: "1.5 GB (1,500,000,000 bytes)"."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if size >= scale:
+            return f"{size / scale:.1f} {unit} ({size:,} bytes)"
+    return f"{size:,} bytes"
+
+
+def write_failure_reason(error: OSError, directory: str | Path) -> str:
+    """Why a write into `directory` failed, in words; for a full file system also which one and
+    what is free on it (where to make room)."""
+    reason = error.strerror or " ".join(str(error).split())
+    if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return reason
+    existing = next(p for p in [Path(directory), *Path(directory).parents] if p.exists())
+    return (f"{reason}: out of space on {mount_point(existing)}, the file system of {directory}, "
+            f"{amount(shutil.disk_usage(existing).free)} free")
 
 
 def read_json(path: str | Path, error: type[Exception] = ValueError) -> Any:

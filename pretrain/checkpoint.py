@@ -45,8 +45,8 @@ import torch
 import torch.distributed as dist
 import xxhash
 
-from common.fileio import atomic_write, atomic_write_text
-from pretrain.config import ConfigError, RunConfig, from_dict, get_key, model_config, to_dict
+from common.fileio import amount, atomic_write, atomic_write_text, mount_point
+from pretrain.config import REPLACED_SUFFIX, ConfigError, RunConfig, from_dict, get_key, model_config, to_dict
 from pretrain.engine import seed_process
 from pretrain.models import padded_vocab
 from pretrain.models.ebt import ReplayStore
@@ -89,6 +89,36 @@ def check_same_model(cfg: RunConfig, tag_dir: Path, marker: Marker) -> None:
                       f"{differences}, not the model of checkpoint {tag_dir}; {fix}")
 
 
+SAME_STATE_PRECISIONS = {"fp32", "bf16-autocast"}
+"""Precisions whose checkpoints hold the same state: fp32 weights, gradients and optimizer (autocast
+only runs the forward's matmuls in bf16 and saves nothing of its own), so a resume may switch
+between them and loads exactly what was saved (tests/test_precision.py). DeepSpeed's bf16 keeps
+the module in bf16 beside the optimizer's fp32 master weights, in optimizer files of other names
+(`bf16_zero_pp_rank_*`: a resume across that line failed inside DeepSpeed's load, on a file not
+found), and fp16 adds a loss scale: a checkpoint of either continues only in its own precision."""
+
+
+def saved_precision(marker: Marker) -> str | None:
+    """The precision the checkpoint was trained in: recorded since checkpoints record it, else
+    the config's when it names one (an older checkpoint of `auto` does not say which it was)."""
+    if marker.precision is not None:
+        return marker.precision
+    return None if marker.config.train.precision == "auto" else marker.config.train.precision
+
+
+def check_same_precision(precision: str, tag_dir: Path, marker: Marker) -> None:
+    """Refuse to resume checkpoint `tag_dir` in another precision than it was trained in
+    (`precision`: this run's, resolved), except between fp32 and bf16-autocast, whose states are
+    the same (`SAME_STATE_PRECISIONS`)."""
+    saved = saved_precision(marker)
+    if saved is None or saved == precision or {saved, precision} <= SAME_STATE_PRECISIONS:
+        return
+    raise ConfigError(f"train.precision: checkpoint {tag_dir} was trained in {saved}, this run would continue "
+                      f"it in {precision}, which its saved weights and optimizer state do not fit; set "
+                      f"train.precision={saved} to resume it, or export it (python -m pretrain.export RUN_DIR "
+                      "--format hf --out DIR) and start a new run from its weights with model.init_from=DIR")
+
+
 @dataclass
 class Marker:
     """`complete.json`: what a checkpoint is, readable without loading it."""
@@ -109,6 +139,9 @@ class Marker:
     data: dict | None = None
     """Identity of the training data (fingerprint, tokenizer, vocabulary, seq_len); None in
     checkpoints written before it was recorded."""
+    precision: str | None = None
+    """The precision it was trained in (`train.precision` resolved: `auto` is bf16 or fp32);
+    None in checkpoints written before it was recorded."""
 
     @classmethod
     def read(cls, tag_dir: Path) -> Marker:
@@ -541,21 +574,6 @@ def _saved_size(state) -> int:
     return counter.count
 
 
-def _mount_point(path: Path) -> Path:
-    """The mount point of the file system holding `path` (which exists)."""
-    path = path.resolve()
-    while not os.path.ismount(path):
-        path = path.parent
-    return path
-
-
-def _amount(size: int) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if size >= scale:
-            return f"{size / scale:.1f} {unit} ({size:,} bytes)"
-    return f"{size:,} bytes"
-
-
 def read_rank_state(tag_dir: Path, rank: int) -> dict | None:
     """The state `rank` saved in `tag_dir` (RNG states, buffers), None if it saved none."""
     path = rank_state_file(tag_dir, rank)
@@ -604,9 +622,11 @@ class CheckpointManager:
     config before any work), saving every `checkpoint.interval` steps with retention, loading
     (through the universal form after a layout change), and per-rank state (buffers, RNG, EBT's replay store)."""
 
-    def __init__(self, cfg: RunConfig, rank: int, world_size: int):
+    def __init__(self, cfg: RunConfig, rank: int, world_size: int, precision: str):
         self.cfg = cfg
         self.rank, self.world_size = rank, world_size
+        self.precision = precision
+        """The run's `train.precision`, resolved (`config.resolved_precision`)."""
         self.ckpt_dir = cfg.run_dir / "ckpt"
         self.resume_from: tuple[Path, Marker, bool] | None = None
         """The checkpoint `resume_point` chose, its marker and whether it loads through its
@@ -657,6 +677,7 @@ class CheckpointManager:
         for damage in skipped:
             _warn(f"damaged checkpoint skipped ({', '.join(damage)}); resuming from {candidate}")
         check_same_model(cfg, candidate, marker)
+        check_same_precision(self.precision, candidate, marker)
         try:  # decided once; a ZeRO stage change that cannot be converted fails here, before any work
             universal = self._needs_universal(candidate, marker)
         except ValueError as e:
@@ -669,7 +690,7 @@ class CheckpointManager:
         (never deleting anything); every rank waits for it."""
         run_dir = self.cfg.run_dir
         if self.rank == 0 and run_dir.exists():
-            aside = run_dir.with_name(f"{run_dir.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
+            aside = run_dir.with_name(run_dir.name + time.strftime(REPLACED_SUFFIX))
             os.replace(run_dir, aside)
             _warn(f"resume=restart: moved the previous run to {aside}; starting fresh")
         if dist.is_initialized():
@@ -743,7 +764,8 @@ class CheckpointManager:
                                            for path, record in writes.written.items()})
             if self.rank == 0:
                 marker = Marker(step=step, world_size=self.world_size, config=self.cfg,
-                                model_config=model_config, time=time.time(), files=files, data=data)
+                                model_config=model_config, time=time.time(), files=files, data=data,
+                                precision=self.precision)
                 for path, text in ((tag_dir / MARKER, marker.to_json()), (self.ckpt_dir / LATEST, tag_dir.name)):
                     failure = writes.write(path, lambda: atomic_write_text(path, text))
             outcome = [failure]
@@ -769,9 +791,9 @@ class CheckpointManager:
             return (f"checkpoint {tag_dir} not saved: writing {failure.path} failed ({failure.reason}); "
                     f"the partial checkpoint was removed and {kept}; fix that, then rerun the same command to resume")
         free = shutil.disk_usage(self.ckpt_dir).free
-        return (f"checkpoint {tag_dir} not saved: out of space on {_mount_point(self.ckpt_dir)} (the file "
-                f"system of {self.ckpt_dir}; {failure.reason}): the checkpoint needs {_amount(needed)}, "
-                f"{_amount(free)} are free; the partial checkpoint was removed and {kept}; make room "
+        return (f"checkpoint {tag_dir} not saved: out of space on {mount_point(self.ckpt_dir)} (the file "
+                f"system of {self.ckpt_dir}; {failure.reason}): the checkpoint needs {amount(needed)}, "
+                f"{amount(free)} are free; the partial checkpoint was removed and {kept}; make room "
                 "there (or choose another output_root), then rerun the same command to resume")
 
     def load(self, engine) -> ResumeState | None:

@@ -14,6 +14,7 @@ import dataclasses
 import math
 import os
 import sys
+import time
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -283,6 +284,34 @@ class FaultSection:
     checkpoint is marked complete: the window in which a test loses a node mid-checkpoint."""
 
 
+REPLACED_SUFFIX = ".replaced-%Y%m%d-%H%M%S"
+"""`resume=restart` moves a run directory aside to its name plus this suffix (strftime's format)."""
+FILE_NAME_MAX = 255
+"""The most bytes a file name may have (NAME_MAX of Linux file systems)."""
+
+
+def run_name_problem(name: str) -> str | None:
+    """Why `name` cannot name a run directory, or None. Besides the run directory itself, its
+    name goes into OUTPUT_ROOT/.<name>.lock (the run's lock) and <name>.replaced-TIME (where
+    `resume=restart` moves it), into log and Slurm file names and onto command lines, so it must
+    be one plain, visible file name that still fits once the longest of those is added."""
+    if name in ("", ".", ".."):
+        return "must be a plain directory name"
+    if "/" in name:
+        return "must be a plain directory name, without '/' (put directories into output_root)"
+    if any(ord(c) < 32 or ord(c) == 127 for c in name):
+        return "must not hold control characters (a newline, a tab, a NUL byte)"
+    if name != name.strip():
+        return "must not begin or end with white space"
+    if name.startswith("."):
+        return "must not begin with '.' (the output root's dot-names are the runs' locks and staging directories)"
+    extra = len(time.strftime(REPLACED_SUFFIX, time.gmtime(0)))  # fixed width: digits only
+    if len(name.encode()) + extra > FILE_NAME_MAX:
+        return (f"is {len(name.encode())} bytes long; at most {FILE_NAME_MAX - extra} fit (a file name has at "
+                f"most {FILE_NAME_MAX}, and resume=restart adds {extra} to it)")
+    return None
+
+
 @dataclass
 class RunConfig:
     run_name: str = ""
@@ -485,8 +514,8 @@ def validate(cfg: RunConfig, world_size: int, has_gpu: bool) -> None:
 
     require(cfg.resume in RESUME_MODES or Path(cfg.resume).exists(), "resume",
             "must be 'auto', 'never', 'restart' or an existing run directory or checkpoint")
-    require("/" not in cfg.run_name and cfg.run_name not in ("", ".", ".."), "run_name",
-            "must be a plain directory name")
+    problem = run_name_problem(cfg.run_name)
+    require(problem is None, "run_name", problem or "")
     require(bool(cfg.data.path), "data.path", "is required (a prepared dataset directory)")
     for key in ("data.seq_len", "data.micro_batch_size", "train.global_batch_size",
                 "train.log_interval", "checkpoint.keep", "eval.batches", "eval.think_steps"):

@@ -41,7 +41,7 @@ from pretrain.metrics import append_to_tensorboard, pyplot
 from pretrain.models.ebt import energy_settled, token_losses
 from pretrain.models.probes import (after_each_step, never_rising, rank_correlation, read_out_each_step,
                                     relative_update, state_energies)
-from pretrain.trained import DTYPES, TrainedModel, load_trained
+from pretrain.trained import DTYPES, TrainedModel, inside_trainer_directory, load_trained
 from pretrain.weights import LoadError
 
 RECURRENT = ("gpt_rec", "nrgpt")
@@ -373,6 +373,9 @@ def tolerance_list(text: str) -> list[float]:
 def check_options(args) -> list[float]:
     """The options' ranges, before anything is loaded; the tolerances."""
     out = Path(args.out)
+    inside = inside_trainer_directory(out)
+    if inside is not None:
+        raise DynamicsError(f"--out {out} {inside}")
     # the output directory is replaced whole: only an empty one or a previous output may be
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / REPORT).is_file())):
         raise DynamicsError(f"--out {out} exists and is not an empty directory or a previous output of "

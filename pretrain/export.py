@@ -7,7 +7,8 @@ The sharded ZeRO checkpoint is merged with DeepSpeed's ZeRO-to-fp32 conversion (
 master weights, whatever the training precision). The safetensors file holds every key of the
 model's `state_dict()` (tied weights stored under both names), so `build(config)` followed by
 `load_state_dict(safetensors.torch.load_file(FILE))` accepts it; the metadata carries the
-flavor and the full model config (`load` below does both steps).
+flavor and the full model config (`load` below does both steps), and a checksum of the metadata
+and tensors, which loading verifies (a changed or damaged file is refused in one line).
 
 `--format hf` writes a directory that `AutoModelForCausalLM.from_pretrained` and
 `AutoTokenizer.from_pretrained` load (see `pretrain.export_hf`): native GPT2LMHeadModel /
@@ -36,7 +37,8 @@ from safetensors.torch import save_file
 from common.cli import ArgumentParser, run_command
 from common.fileio import atomic_write, sha256_hex
 from pretrain.export_hf import check_out, export_hf, write_failure
-from pretrain.trained import load_trained
+from pretrain.trained import TrainedModel, load_trained
+from pretrain.weights import EXPORT_CHECKSUM, export_checksum
 
 
 def export(source: str | Path, out: str | Path, overwrite: bool = False) -> Path:
@@ -44,19 +46,25 @@ def export(source: str | Path, out: str | Path, overwrite: bool = False) -> Path
     checkpoint) to `out`; returns the checkpoint exported. The file appears only when complete,
     and replaces only a file exported before, with `overwrite` (see `check_out`)."""
     trained = load_trained(source)
-    tag_dir = trained.source
     out = Path(out)
-    check_out(out, overwrite, tag_dir, directory=False)
+    check_out(out, overwrite, trained.source, directory=False)
+    write_file(trained, out)
+    return trained.source
+
+
+def write_file(trained: TrainedModel, out: Path) -> None:
+    """Write `trained` to `out` as one safetensors file (atomically): its weights, the metadata
+    that `load_trained` rebuilds the model from, and their checksum, which loading verifies."""
     tensors = {name: t.detach().contiguous().clone() for name, t in trained.model.state_dict().items()}
     metadata = {"flavor": trained.flavor, "model_config": json.dumps(asdict(trained.model_config)),
-                "run_config": json.dumps(trained.run_config), "checkpoint": tag_dir.name,
+                "run_config": json.dumps(trained.run_config), "checkpoint": trained.source.name,
                 "step": str(trained.step)}
+    metadata[EXPORT_CHECKSUM] = export_checksum(tensors, metadata)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(out, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
     except (OSError, SafetensorError) as e:  # the temporary file's name would mean nothing to the user
         raise write_failure(out, e) from None
-    return tag_dir
 
 
 def load(path: str | Path) -> torch.nn.Module:

@@ -31,10 +31,10 @@ from safetensors.torch import save_file
 from common.fileio import atomic_directory, markdown_table, read_json, sha256_hex
 from pretrain.evaluate import results_file
 from pretrain.hf import native
-from pretrain.hf.load import CODE_PREFIX, RUN_FILE
+from pretrain.hf.load import CHECKSUM_FILE, CODE_PREFIX, RUN_FILE
 from pretrain.models import build, family_name, model_class
 from pretrain.summary import SUMMARY_FILE
-from pretrain.trained import TrainedModel
+from pretrain.trained import TrainedModel, inside_trainer_directory, is_run_directory
 
 REMOTE_MODEL_TYPE = "pretrain_{family}"
 """model_type of the exports that carry their code."""
@@ -43,9 +43,6 @@ WRAPPER_MODULE = "pretrain.hf.modeling"
 CARRIED_PACKAGES = {"torch", "transformers"}
 """What carried code may import besides the standard library and its own package."""
 PACKAGE_IMPORT = re.compile(r"^(\s*)from pretrain\.(?:models|hf)\.(\w+) import", re.MULTILINE)
-CHECKSUM_FILE = "SHA256SUMS"
-"""The digests of every other file of an export, in `sha256sum`'s format: a copy moved between
-machines or hubs is checked with `sha256sum -c SHA256SUMS` in the directory."""
 TRAINING_ONLY = {"replay_buffer_size": 0}
 """Config fields that hold training state only (EBT's replay buffer: up to GBs of candidates),
 left out of exports."""
@@ -53,16 +50,6 @@ left out of exports."""
 
 class ExportError(ValueError):
     """The model cannot be exported as asked; the message is one line."""
-
-
-RUN_ENTRIES = ("ckpt", "tb", "config.yaml", SUMMARY_FILE)
-"""What the trainer writes into a run directory: a directory holding any of them is a run."""
-TRAINER_DIRS = ("ckpt", "tb")
-"""The parts of a run directory that the trainer rewrites and prunes: no export goes inside."""
-
-
-def is_run_directory(path: Path) -> bool:
-    return path.is_dir() and any((path / name).exists() for name in RUN_ENTRIES)
 
 
 def check_out(out: Path, overwrite: bool, source: str | Path, directory: bool) -> None:
@@ -80,10 +67,9 @@ def check_out(out: Path, overwrite: bool, source: str | Path, directory: bool) -
     if target == source or target in source.parents:
         raise ExportError(f"--out {out} {'is' if target == source else 'holds'} the source {source}; "
                           "choose a new path for the export")
-    inside = next((p for p in target.parents if p.name in TRAINER_DIRS and is_run_directory(p.parent)), None)
+    inside = inside_trainer_directory(out)
     if inside is not None:
-        raise ExportError(f"--out {out} lies in {inside}, which the training run manages; choose a "
-                          "path outside it")
+        raise ExportError(f"--out {out} {inside}")
     if is_run_directory(target):
         raise ExportError(f"--out {out} is a run directory; choose a new path for the export")
     if not out.exists() or (directory and out.is_dir() and not any(out.iterdir())):

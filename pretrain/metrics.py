@@ -4,18 +4,22 @@ compact console line per log interval, and a progress bar with ETA. Only rank 0 
 other ranks every `Metrics` method is a no-op, so the training loop calls them unconditionally."""
 from __future__ import annotations
 
+import contextlib
 import math
 import resource
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import hparams as hparams_summary
 from tqdm import tqdm
 
+from common.fileio import write_failure_reason
 from pretrain.flops import achieved_tflops, mfu
 from pretrain.summary import TrainState
 
@@ -123,38 +127,85 @@ def diagnostic_scalars(diagnostics: dict[str, torch.Tensor], family: str) -> dic
     return scalars
 
 
+def _leave_tensorboard_write_errors_to_metrics() -> None:
+    """TensorBoard writes in a thread of its own, which on a failed write (a full disk) keeps the
+    error for the writer's next call and also raises it, for Python to print its traceback;
+    `Metrics` reports that error in one line when the writer passes it on, so the thread's
+    OSErrors are not printed (every other exception of every thread still is)."""
+    try:  # a private class of tensorboard's (pinned in requirements.txt)
+        from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
+    except ImportError:  # another version: its thread's traceback is printed, nothing worse
+        return
+    previous = threading.excepthook
+    if getattr(previous, "leaves_tensorboard_write_errors", False):
+        return
+
+    def hook(args) -> None:
+        if not (isinstance(args.thread, _AsyncWriterThread) and issubclass(args.exc_type, OSError)):
+            previous(args)
+
+    hook.leaves_tensorboard_write_errors = True
+    threading.excepthook = hook
+
+
 class Metrics:
     def __init__(self, run_dir: Path, enabled: bool, total_steps: int, start_step: int):
         self.enabled = enabled
         self.total_steps = total_steps
         self.start_step = start_step
         self.start_time = time.perf_counter()
+        self.tb_dir = run_dir / "tb"
+        self.writer: SummaryWriter | None = None
+        """TensorBoard's writer; None off rank 0, and once a write failed (`_tensorboard`)."""
         if not enabled:
             return
+        _leave_tensorboard_write_errors_to_metrics()
         # purge_step hides the points an interrupted run logged after the checkpoint we resume
         # from (or all of them when it left no checkpoint)
-        self.writer = SummaryWriter(str(run_dir / "tb"), purge_step=start_step + 1)
+        self._tensorboard(lambda _: setattr(self, "writer", SummaryWriter(str(self.tb_dir), purge_step=start_step + 1)),
+                          opening=True)
         self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
                         disable=not sys.stderr.isatty())
 
+    def _tensorboard(self, write: Callable[[SummaryWriter | None], object], opening: bool = False) -> None:
+        """write(writer) while TensorBoard is on. A write that fails (a full disk) turns it off for
+        the rest of the session, with one warning, rather than ending the run: only rank 0 writes
+        these logs, and a rank that raised would leave the others waiting for it in the next
+        collective. The run goes on; its checkpoints hold its state, and a save that does not fit
+        either stops the run on every rank alike."""
+        if self.writer is None and not opening:
+            return
+        try:
+            write(self.writer)
+        except OSError as e:
+            writer, self.writer = self.writer, None
+            if writer is not None:
+                with contextlib.suppress(OSError):  # it flushes what failed to write, and fails again
+                    writer.close()
+            print(f"warning: TensorBoard logs not written to {self.tb_dir} ({write_failure_reason(e, self.tb_dir)}); "
+                  "training goes on without them until the run is restarted", file=sys.stderr, flush=True)
+
     def hparams(self, config: dict, metric_tags: list[str]) -> None:
         """Register the run's hyperparameters (flattened config) with TensorBoard's hparams plugin."""
-        if not self.enabled:
-            return
         values = {k: v if isinstance(v, (int, float, str, bool)) else str(v)
                   for k, v in flatten(config).items()}
-        for summary in hparams_summary(values, {tag: math.nan for tag in metric_tags}):
-            self.writer.file_writer.add_summary(summary)
+
+        def write(writer: SummaryWriter) -> None:
+            for summary in hparams_summary(values, {tag: math.nan for tag in metric_tags}):
+                writer.file_writer.add_summary(summary)
+
+        self._tensorboard(write)
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
-        if self.enabled:
+        def write(writer: SummaryWriter) -> None:
             for tag, value in values.items():
-                self.writer.add_scalar(tag, value, step)
+                writer.add_scalar(tag, value, step)
+
+        self._tensorboard(write)
 
     def text(self, step: int, tag: str, text: str) -> None:
-        if self.enabled:
-            # TensorBoard renders text as Markdown: keep line breaks and spacing as written
-            self.writer.add_text(tag, "    " + text.replace("\n", "\n    "), step)
+        # TensorBoard renders text as Markdown: keep line breaks and spacing as written
+        self._tensorboard(lambda writer: writer.add_text(tag, "    " + text.replace("\n", "\n    "), step))
 
     def eta_s(self, step: int) -> float:
         done = step - self.start_step
@@ -204,7 +255,8 @@ class Metrics:
     def close(self) -> None:
         if self.enabled:
             self.bar.close()
-            self.writer.close()
+            self._tensorboard(lambda writer: writer.close())
+            self.writer = None
 
 
 def format_duration(seconds: float) -> str:

@@ -17,7 +17,11 @@ trainer fails:
   says), which helps nobody here: a rank waiting for the dead one in a collective (or in the
   store, while DeepSpeed creates its groups) is inside C++ and runs no signal handler, and one
   that does run it takes the signal for a scheduler's stop and saves or reports that, for a job
-  that cannot go on without the dead rank anyway.
+  that cannot go on without the dead rank anyway. A worker that exits with 75 has not failed:
+  after a stop signal every rank saves its part of the checkpoint and exits with 75, and rank 0
+  last, as it completes the checkpoint and prunes the old ones after the others have gone
+  (seconds to minutes for large checkpoints on a network file system). Then nobody is killed or
+  signalled: torchrun learns of the exits once every worker has ended.
 - torchrun's log lines are kept back and shown only when a worker died without saying why
   (killed by a signal, or exited without writing its code)."""
 from __future__ import annotations
@@ -32,6 +36,7 @@ import time
 from pathlib import Path
 
 from common.cli import EXIT_DIR_VARIABLE
+from pretrain.stopping import EXIT_PREEMPTED
 
 FAILED_PEER_GRACE_S = 5.0
 """After a worker failed, how long the others have to end by themselves (a rank that met the
@@ -100,12 +105,18 @@ def main(argv: list[str] | None = None) -> int:
 def _agent_stopping_failed_groups(stopped: set[int]):
     """torchrun's agent, stopping the rest of a node's workers within FAILED_PEER_GRACE_S of one
     failing (see the module doc); the pids it had to kill go into `stopped`."""
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
     class StopsFailedGroups(LocalElasticAgent):
         def _monitor_workers(self, worker_group):
             pids = list(self._pcontext.pids().values()) if self._pcontext is not None else []
-            if any(_exit_status(pid) not in (None, 0) for pid in pids):
+            ended = [_exit_status(pid) for pid in pids]
+            if EXIT_PREEMPTED in ended and None in ended and all(code in (None, 0, EXIT_PREEMPTED) for code in ended):
+                # torchrun would take an exit with 75 for a failure and stop the rest, rank 0
+                # among them, while it completes the checkpoint and prunes the old ones
+                return RunResult(state=WorkerState.HEALTHY)
+            if any(code not in (None, 0) for code in ended):
                 deadline = time.monotonic() + FAILED_PEER_GRACE_S
                 while time.monotonic() < deadline and any(_exit_status(pid) is None for pid in pids):
                     time.sleep(0.05)

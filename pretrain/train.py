@@ -32,7 +32,7 @@ import torch.distributed as dist
 import yaml
 
 from common.cli import EXIT_DIR_VARIABLE, ArgumentParser, write_exit_file
-from common.fileio import atomic_write_text
+from common.fileio import atomic_write_text, write_failure_reason
 from pretrain.checkpoint import CheckpointError, CheckpointManager, ResumeState, data_identity
 from pretrain.config import (ConfigError, RunConfig, batch_split, compute_precision, describe_attention,
                              describe_batch_split, load_config, model_config, resolved_precision, to_dict, validate)
@@ -47,10 +47,14 @@ from pretrain.optim import SpikeGuard, build_optimizer, lr_factor, param_groups,
 from pretrain.preflight import check_dataset, evaluates, preflight
 from pretrain.stopping import (EXIT_PREEMPTED, Aborted, StopSignals, StoppedInSetup, ignore_stop_signals,
                                stopped_line)
-from pretrain.summary import RunRecord, TrainState
+from pretrain.summary import SUMMARY_FILE, RunRecord, TrainState
 
 class NonFiniteError(RuntimeError):
     """Non-finite updates keep coming back after reloading the last good checkpoint."""
+
+
+class SummaryError(RuntimeError):
+    """summary.json could not be written (a full disk); the message is one line."""
 
 
 class Trainer:
@@ -65,7 +69,7 @@ class Trainer:
         self.split = batch_split(cfg, self.world_size)
         self.total_steps = cfg.total_steps
         self.run_dir = cfg.run_dir
-        self.checkpoints = CheckpointManager(cfg, self.rank, self.world_size)
+        self.checkpoints = CheckpointManager(cfg, self.rank, self.world_size, self.precision)
         self.state = TrainState()
         self.downstream: dict[str, float] = {}
         """The latest downstream scalars (eval.downstream), for summary.json."""
@@ -346,11 +350,13 @@ class Trainer:
         return result
 
     def write_summary(self) -> None:
+        """Rank 0 writes summary.json, after the final checkpoint; a failed write (a full disk) is
+        a SummaryError saying how to get it (a rerun resumes at the final step and writes it)."""
         if self.rank != 0:
             return
         cfg, state = self.cfg, self.state
         hardware = torch.cuda.get_device_name(self.device) if self.on_gpu else f"cpu ({platform.machine()})"
-        RunRecord(
+        record = RunRecord(
             run_name=cfg.run_name, family=family_name(self.model_config), flavor=cfg.model.flavor,
             params=self.params, non_embedding_params=self.non_embedding_params,
             tokens_seen=state.tokens_seen, train_flops=self.flops_per_token * state.tokens_seen,
@@ -364,7 +370,13 @@ class Trainer:
                    "reloads": state.reloads, "think_losses": state.think_losses, "dynamics": state.dynamics,
                    "tokens_per_s": self.throughput.session_tokens_per_s(),
                    "model_config": asdict(self.model_config), "downstream": self.downstream},
-        ).save(self.run_dir)
+        )
+        try:
+            record.save(self.run_dir)
+        except OSError as e:
+            raise SummaryError(f"{self.run_dir / SUMMARY_FILE} not written ({write_failure_reason(e, self.run_dir)}); "
+                               f"the final checkpoint (step {state.step}) is saved: make room there, then rerun "
+                               "the same command to write it") from None
 
 
 def run(cfg: RunConfig) -> int:
@@ -403,11 +415,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.check:
             # checked as this node's first rank: only rank 0 asks whether a trainer holds the run
             first_rank = 0 if args.node_rank == 0 else 1
-            preflight(cfg, CheckpointManager(cfg, rank=first_rank, world_size=world_size), checking_only=True)
+            preflight(cfg, CheckpointManager(cfg, rank=first_rank, world_size=world_size,
+                                             precision=resolved_precision(cfg, on_gpu)), checking_only=True)
             ready = f"{args.config}: ready for {world_size} process(es): {describe_batch_split(cfg, world_size)}"
             print("\n".join([ready, *describe_attention(cfg, on_gpu)]))
         code = 0 if args.check else run(cfg)
-    except (ConfigError, DataError, NonFiniteError, CheckpointError) as e:
+    except (ConfigError, DataError, NonFiniteError, CheckpointError, SummaryError) as e:
         error = f"error: {e}"
         code = 2 if isinstance(e, (ConfigError, DataError)) else 1
     except (Aborted, StoppedInSetup, KeyboardInterrupt) as stop:  # KeyboardInterrupt: before the first step

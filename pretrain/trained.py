@@ -26,9 +26,30 @@ from pretrain import checkpoint
 from pretrain.config import to_dict
 from pretrain.hf.load import read_export, tensors_for
 from pretrain.models import build, family_name, resolve
+from pretrain.summary import SUMMARY_FILE
 from pretrain.weights import LoadError, load_weights, read_safetensors
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+RUN_ENTRIES = ("ckpt", "tb", "config.yaml", SUMMARY_FILE)
+"""What the trainer writes into a run directory: a directory holding any of them is a run."""
+TRAINER_DIRS = ("ckpt", "tb")
+"""The parts of a run directory that the trainer rewrites and prunes (a stale step_N directory is
+removed before step N is saved, retention deletes checkpoints, a resume purges TensorBoard's later
+points): the commands that write for the user (export, dynamics) write nothing inside them."""
+
+
+def is_run_directory(path: Path) -> bool:
+    return path.is_dir() and any((path / name).exists() for name in RUN_ENTRIES)
+
+
+def inside_trainer_directory(out: str | Path) -> str | None:
+    """Why a command may not write `out`, when it lies in a run's ckpt/ or tb/ (`TRAINER_DIRS`),
+    as the end of its one-line error ("--out OUT " + this); None elsewhere."""
+    target = Path(out).resolve()
+    inside = next((p for p in target.parents if p.name in TRAINER_DIRS and is_run_directory(p.parent)), None)
+    if inside is None:
+        return None
+    return f"lies in {inside}, which the training run manages; choose a path outside it"
 
 
 @dataclass

@@ -30,13 +30,15 @@ def world(tmp_path_factory) -> Iterator[dict]:
     config.write_text(yaml.safe_dump(base))
     cfg = load_config(config, ["run_name=done"])
 
-    def run_with_checkpoint(name: str, *overrides: str, files: dict | None = None, **model: int) -> Path:
+    def run_with_checkpoint(name: str, *overrides: str, files: dict | None = None, precision: str | None = "fp32",
+                            **model: int) -> Path:
         saved = load_config(config, [f"run_name={name}", *overrides])
         tag_dir = saved.run_dir / "ckpt" / checkpoint.tag_for(4)
         tag_dir.mkdir(parents=True)
         (tag_dir / "mp_rank_00_model_states.pt").write_bytes(b"x" * 10)
         marker = checkpoint.Marker(step=4, world_size=1, config=saved, model_config={"vocab_size": 128, **model},
-                                   files=files if files is not None else {"mp_rank_00_model_states.pt": [10, "0"]})
+                                   files=files if files is not None else {"mp_rank_00_model_states.pt": [10, "0"]},
+                                   precision=precision)
         (tag_dir / checkpoint.MARKER).write_text(marker.to_json())
         return saved.run_dir
 
@@ -44,6 +46,10 @@ def world(tmp_path_factory) -> Iterator[dict]:
     run_with_checkpoint("stage0", "zero.stage=0")
     run_with_checkpoint("torn", files={"mp_rank_00_model_states.pt": [999, "0"]})
     run_with_checkpoint("redefined", n_embd=48)  # saved when the flavor (now 32 wide) was 48 wide
+    run_with_checkpoint("bf16", "train.precision=bf16", precision="bf16")
+    run_with_checkpoint("autocast", "train.precision=bf16-autocast", precision="bf16-autocast")
+    run_with_checkpoint("older-bf16", "train.precision=bf16", precision=None)  # from before markers recorded it
+    run_with_checkpoint("older-auto", precision=None)  # auto, trained where? it does not say
     incomplete = root / "runs" / "incomplete" / "ckpt" / checkpoint.tag_for(4)
     incomplete.mkdir(parents=True)
     text_file = root / "file.txt"
@@ -120,6 +126,11 @@ CASES = {
     "compile with double backward": (check("model.flavor=ebt-tiny", "model.compile=inductor"), "double backward"),
     "resume path missing": (check("resume=no/such/run"), "must be 'auto', 'never', 'restart' or an existing"),
     "run name with a slash": (check("run_name=a/b"), "must be a plain directory name"),
+    "run name with a newline": (check('run_name="a\\nb"'), "run_name='a\\nb': must not hold control characters"),
+    "run name with a NUL byte": (check('run_name="a\\0b"'), "must not hold control characters"),
+    "run name with white space around it": (check("run_name=' run'"), "must not begin or end with white space"),
+    "hidden run name": (check("run_name=.done.lock"), "must not begin with '.'"),
+    "run name too long": (check("run_name=" + "r" * 231), "is 231 bytes long; at most 230 fit"),
     "no budget": (check("train.max_steps=null", "train.max_tokens=null"), "a budget is required"),
     "val fraction": (check("data.val_fraction=2"), "must be in (0, 1)"),
     "no data path": (check("data.path="), "data.path"),
@@ -146,6 +157,15 @@ CASES = {
     "flavor redefined, overridden wrongly": (check("run_name=redefined", "model.overrides.n_embd=64"),
                                              "gives n_embd 64 (checkpoint: 48), not the model of checkpoint"),
     "ZeRO-0 checkpoint into ZeRO-2": (check("run_name=stage0"), "saved without ZeRO"),
+    "bf16 checkpoint resumed in fp32": (check("run_name=bf16"), "was trained in bf16, this run would continue it "
+                                        "in fp32, which its saved weights and optimizer state do not fit; set "
+                                        "train.precision=bf16 to resume it, or export it"),
+    "fp32 checkpoint resumed in bf16": (check("run_name=done", "train.precision=bf16"),
+                                        "was trained in fp32, this run would continue it in bf16"),
+    "bf16-autocast checkpoint resumed in bf16": (check("run_name=autocast", "train.precision=bf16"),
+                                                 "set train.precision=bf16-autocast to resume it"),
+    "older bf16 checkpoint resumed in fp32": (check("run_name=older-bf16", "train.precision=fp32"),
+                                              "was trained in bf16, this run would continue it in fp32"),
     "incomplete explicit checkpoint": (check("resume={incomplete}"), "checkpoint is incomplete"),
     "torn checkpoint": (check("run_name=torn"), "every one is damaged"),
     "resume from a run without checkpoints": (check("run_name=x", "resume={empty_run}"), "no complete checkpoint found"),
@@ -274,6 +294,33 @@ def test_a_checkpoint_of_a_redefined_flavor_resumes_with_the_overrides_its_error
     resumed = runs.command_here("pretrain.train", ["--check", "--config", config, "run_name=redefined",
                                                    "model.overrides.n_embd=48"])
     assert resumed.returncode == 0, resumed.stderr[-2000:]
+
+
+@pytest.mark.parametrize("run_name, precision", [("done", "bf16-autocast"), ("autocast", "fp32"),
+                                                 ("autocast", "auto"), ("bf16", "bf16"), ("older-auto", "bf16")])
+def test_a_resume_in_a_precision_of_the_same_state_passes_the_check(world, run_name, precision):
+    """fp32 and bf16-autocast checkpoints hold the same state (fp32 weights and optimizer), so
+    either resumes in the other; every precision resumes in itself; a checkpoint from before
+    markers recorded the precision, of train.precision=auto, does not say which it was: let be."""
+    result = runs.command_here("pretrain.train", ["--check", "--config", str(world["config"]),
+                                                  f"run_name={run_name}", f"train.precision={precision}"])
+    assert result.returncode == 0 and "ready for 1 process(es)" in result.stdout, result.stderr[-2000:]
+
+
+def test_the_longest_run_name_is_counted_in_bytes_and_its_run_can_be_moved_aside(world, tmp_path):
+    """230 bytes (here 115 two-byte characters) pass the check; the name of the directory that
+    resume=restart moves the run to then has the 255 bytes a file name may have."""
+    import time
+
+    from pretrain.config import REPLACED_SUFFIX
+
+    longest = "é" * 115
+    result = runs.command_here("pretrain.train", ["--check", "--config", str(world["config"]), f"run_name={longest}"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    (tmp_path / longest).mkdir()
+    (tmp_path / longest).rename(tmp_path / (longest + time.strftime(REPLACED_SUFFIX)))  # fits
+    longer = runs.command_here("pretrain.train", ["--check", "--config", str(world["config"]), f"run_name={longest}r"])
+    assert longer.returncode == 2 and "is 231 bytes long; at most 230 fit" in longer.stderr, longer.stderr[-2000:]
 
 
 def test_prepare_help_shows_the_defaults():

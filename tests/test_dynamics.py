@@ -212,6 +212,15 @@ def test_bad_input_is_one_line_and_writes_nothing(reports, tmp_path):
     result = runs.command_here("pretrain.dynamics", [str(runs.run_dir(name)), "--out", str(foreign)])
     assert result.returncode == 2 and "not an empty directory" in result.stderr
     assert [p.name for p in foreign.iterdir()] == ["notes.txt"]
+    # a new directory in the run's ckpt/ or tb/, which the trainer prunes (a step_N one is removed
+    # before step N is saved): refused as the export refuses it, and nothing is written
+    run_dir = runs.run_dir(name)
+    before = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*"))
+    for out in (run_dir / "ckpt" / "step_00000099", run_dir / "tb" / "dynamics"):
+        result = runs.command_here("pretrain.dynamics", [str(run_dir), "--out", str(out)])
+        assert result.returncode == 2 and result.stderr == (
+            f"error: --out {out} lies in {out.parent}, which the training run manages; choose a path outside it\n")
+    assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == before
 
 
 # --- the in-training scalars (`eval.dynamics`) ------------------------------------------------

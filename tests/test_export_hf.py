@@ -399,9 +399,14 @@ def test_export_bad_input_is_one_line_and_writes_nothing(run_exports, tmp_path, 
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no staging left
 
 
-def test_a_damaged_export_is_refused_in_one_line_naming_the_file(built_exports, run_exports, tmp_path, capsys):
-    """Sampling, evaluation and model.init_from read exports back: a file cut short or broken is
-    refused by name. (The safetensors format has no checksum: changed tensor bytes pass unseen.)"""
+def test_a_damaged_or_changed_export_is_refused_in_one_line_naming_the_file(built_exports, tmp_path, capsys):
+    """Sampling, evaluation and model.init_from read exports back: a file cut short, broken, gone
+    or with one byte changed is refused by name before the model is used. A directory is checked
+    against its SHA256SUMS, a single-file export against the checksum in its own metadata, which
+    covers its weights and its metadata (the safetensors format has no checksum of its own)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
     from pretrain import sample
 
     def cut_short(file: Path) -> None:
@@ -410,28 +415,66 @@ def test_a_damaged_export_is_refused_in_one_line_naming_the_file(built_exports, 
     def broken_json(file: Path) -> None:
         file.write_text('{"model_type": ')
 
-    damaged = []
-    for damage, name in ((cut_short, "model.safetensors"), (broken_json, "config.json"),
-                         (broken_json, "training_run.json")):
-        copy = shutil.copytree(built_exports["nrgpt"][1], tmp_path / name)
+    def flipped_last_byte(file: Path) -> None:  # a weight's last byte: the file still parses
+        data = bytearray(file.read_bytes())
+        data[-1] ^= 1
+        file.write_bytes(data)
+
+    def other_step(file: Path) -> None:  # the same weights, rewritten with a metadata value changed
+        with safe_open(str(file), framework="pt") as f:
+            tensors, metadata = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+        save_file(tensors, str(file), metadata={**metadata, "step": "13"})
+
+    model, directory = built_exports["nrgpt"]
+    damaged = []  # (source, the error's start)
+    for damage, name in ((cut_short, "model.safetensors"), (flipped_last_byte, "model.safetensors"),
+                         (broken_json, "config.json"), (broken_json, "training_run.json"),
+                         (Path.unlink, "tokenizer.json")):
+        copy = shutil.copytree(directory, tmp_path / f"{damage.__name__}-{name}")
         damage(copy / name)
-        damaged.append((copy, copy / name))
-    single = tmp_path / "nrgpt.safetensors"
-    export.export(runs.run_dir("nrgpt-z2"), single)
-    cut_short(single)
-    damaged.append((single, single))
-    for source, file in damaged:
-        expected = f"{file}: not a readable {'JSON' if file.suffix == '.json' else 'safetensors'} file ("
+        why = "missing" if damage is Path.unlink else "checksum mismatch"
+        damaged.append((copy, f"{copy}: {name} ({why}) against SHA256SUMS"))
+    trained = TrainedModel(model=model, flavor="nrgpt-tiny", model_config=model.config, step=12,
+                           source=tmp_path / "run" / "ckpt" / "step_00000012", run_config={}, manifest=GPT2_MANIFEST)
+    for damage in (cut_short, flipped_last_byte, other_step):
+        single = tmp_path / f"{damage.__name__}.safetensors"
+        export.write_file(trained, single)
+        load_trained(single)  # intact before the damage
+        damage(single)
+        damaged.append((single, f"{single}: not a readable safetensors file (" if damage is cut_short
+                        else f"{single}: checksum mismatch, its weights or metadata changed after the export"))
+    for source, expected in damaged:
         with pytest.raises(LoadError, match=re.escape(expected)):
             load_trained(source)
-        if file.name != "training_run.json" and source.is_dir():  # what init_from reads
-            model = build(resolve("nrgpt-tiny", {"vocab_size": PADDED_GPT2_VOCAB, "block_size": 32}))
+        if source.is_dir():  # what init_from reads
+            fresh = build(resolve("nrgpt-tiny", {"vocab_size": PADDED_GPT2_VOCAB, "block_size": 32}))
             with pytest.raises(LoadError, match=re.escape(expected)):
-                load_pretrained_weights(model, source)
+                load_pretrained_weights(fresh, source)
         capsys.readouterr()
         assert sample.main([str(source), "--prompt", "a"]) == 2
         captured = capsys.readouterr()
         assert captured.out == "" and captured.err.startswith(f"error: {expected}") and captured.err.count("\n") == 1
+
+
+def test_a_single_file_export_without_a_checksum_still_loads(built_exports, tmp_path):
+    """Exports written before the checksum was recorded carry none: they load as before."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from pretrain.weights import EXPORT_CHECKSUM
+
+    model, _ = built_exports["gpt"]
+    trained = TrainedModel(model=model, flavor="gpt-tiny", model_config=model.config, step=12,
+                           source=tmp_path / "run" / "ckpt" / "step_00000012", run_config={}, manifest=GPT2_MANIFEST)
+    current, older = tmp_path / "current.safetensors", tmp_path / "older.safetensors"
+    export.write_file(trained, current)
+    with safe_open(str(current), framework="pt") as f:
+        tensors, metadata = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    assert len(metadata[EXPORT_CHECKSUM]) == 32  # xxh3-128 in hex
+    save_file(tensors, str(older), metadata={k: v for k, v in metadata.items() if k != EXPORT_CHECKSUM})
+    idx = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(load_trained(older).model(idx).logits, model(idx).logits)
 
 
 def test_every_file_of_an_export_is_in_its_sha256sums_and_sha256sum_checks_them(built_exports, tmp_path):

@@ -385,6 +385,23 @@ def test_one_rank_failing_alone_ends_the_launch_at_once_with_its_line(tmp_path):
     assert ended_within < 15, f"the launch ended {ended_within:.0f} s after rank 1 failed"
 
 
+def test_ranks_ending_after_a_stop_signal_are_not_cut_short_by_the_failure_grace(tmp_path):
+    """After a stop signal every rank exits with 75, rank 0 last: it completes the checkpoint and
+    prunes the old ones after the others have gone. That is no failure: the launcher waits for
+    rank 0 (here twice the failure grace) and exits with 75, instead of killing it 5 s after the
+    first 75."""
+    from pretrain.torchrun import FAILED_PEER_GRACE_S
+
+    done = tmp_path / "done"
+    command = [runs.PYTHON, "-m", "pretrain.torchrun", "--nproc_per_node=2", "--standalone", TORCHRUN_SIGNALS,
+               str(runs.REPO / "tests/preempted_rank_worker.py"), str(2 * FAILED_PEER_GRACE_S), str(done)]
+    result = subprocess.run(command, cwd=runs.REPO, env=runs.child_env(), capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 75, result.stderr[-3000:]
+    assert done.read_text() == "pruned"
+    assert "error:" not in result.stderr, result.stderr[-3000:]
+
+
 UNSHARE = ["unshare", "--mount"] if os.geteuid() == 0 else ["unshare", "--user", "--map-root-user", "--mount"]
 """A mount namespace of its own (with a user namespace where the tests do not run as root)."""
 
@@ -432,6 +449,44 @@ def test_an_output_root_on_a_full_file_system_is_refused_by_the_check(tmp_path, 
     assert one_error_line(result.stderr) == (
         f"error: output_root: cannot create directories in {small} (No space left on device), so the run "
         f"directory {small}/runs/full cannot be made there; choose another output_root")
+
+
+def test_a_full_disk_under_tensorboard_leaves_the_run_going_with_one_warning(tmp_path, mounting):
+    """The run's tb/ on a file system without room for its event file: TensorBoard goes off with
+    one warning naming the file system, and the run trains on to its end (its checkpoints and
+    summary.json are elsewhere here) instead of failing on rank 0 alone."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    result = in_small_filesystem(run_dir / "tb", "size=4k", [
+        runs.PYTHON, "-m", "pretrain.train", "--config", str(runs.base_config_file()), *ONE_PROCESS,
+        f"output_root={tmp_path}", "run_name=run"])
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    warnings = [line for line in result.stderr.splitlines() if "TensorBoard" in line]
+    assert len(warnings) == 1 and warnings[0].startswith(
+        f"warning: TensorBoard logs not written to {run_dir}/tb (No space left on device: out of space on "
+        f"{run_dir}/tb, the file system of {run_dir}/tb, ") and warnings[0].endswith(
+        " free); training goes on without them until the run is restarted"), warnings
+    marker, damage = checkpoint.check_intact(tag(run_dir, SOURCE_STEPS))
+    assert damage == [] and marker.step == SOURCE_STEPS
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == SOURCE_STEPS
+
+
+def test_a_summary_that_cannot_be_written_is_one_line_after_the_final_checkpoint(tmp_path):
+    """summary.json is written last, by rank 0: a failure there (here a directory in its place;
+    a full disk takes the same way) is one line saying the final checkpoint is saved and that a
+    rerun writes the summary, which it does."""
+    run_dir = tmp_path / "run"
+    (run_dir / "summary.json").mkdir(parents=True)
+    result = train(tmp_path, "run")
+    assert result.returncode == 1
+    assert one_error_line(result.stderr) == (
+        f"error: {run_dir}/summary.json not written (Is a directory); the final checkpoint (step {SOURCE_STEPS}) "
+        "is saved: make room there, then rerun the same command to write it")
+    assert checkpoint.check_intact(tag(run_dir, SOURCE_STEPS))[1] == []
+    (run_dir / "summary.json").rmdir()
+    rerun = train(tmp_path, "run")
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == SOURCE_STEPS
 
 
 def test_the_output_root_check_leaves_nothing_behind(tmp_path):

@@ -204,3 +204,77 @@ def test_plan_counts_bf16_autocast_as_fp32_weights_and_bf16_matmuls():
     assert autocast.parts.as_dict() == plans["fp32"].parts.as_dict()
     assert autocast.parts.total > plans["bf16"].parts.total
     assert autocast.step_time_s == plans["bf16"].step_time_s is not None
+
+
+def tensors_in(state, path: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor of a nested state (dicts, lists, tuples), by its path."""
+    if isinstance(state, torch.Tensor):
+        return {path: state}
+    if isinstance(state, dict):
+        items = state.items()
+    elif isinstance(state, (list, tuple)):
+        items = enumerate(state)
+    else:
+        return {}
+    return {k: t for key, value in items for k, t in tensors_in(value, f"{path}/{key}").items()}
+
+
+def resumed_state(config, overrides: list[str]) -> tuple[dict, dict]:
+    """(module state, optimizer state) of a trainer of `overrides` once set up: what it resumed
+    from its checkpoint, before any step. A world of one in this process, as `runs.command_here`
+    runs the trainer."""
+    import os
+
+    import torch.distributed as dist
+    from deepspeed.utils import groups
+
+    import trainer_runs as runs
+    from pretrain.train import Trainer
+
+    saved_env = {name: os.environ.pop(name) for name in runs.LAUNCH_VARIABLES if name in os.environ}
+    cfg = load_config(config, overrides)
+    validate(cfg, 1, has_gpu=False)
+    trainer = Trainer(cfg)
+    try:
+        trainer.setup()
+        engine = trainer.engine
+        return ({name: t.detach().clone() for name, t in engine.module.state_dict().items()},
+                {path: t.detach().clone() for path, t in tensors_in(engine.optimizer.state_dict()).items()})
+    finally:
+        if hasattr(trainer, "metrics"):
+            trainer.metrics.close()
+        trainer.close()
+        dist.destroy_process_group()
+        groups._WORLD_GROUP = None
+        for name in runs.LAUNCH_VARIABLES:
+            os.environ.pop(name, None)
+        os.environ.update(saved_env)
+
+
+@pytest.mark.parametrize("stage, saved, resumed", [(0, "fp32", "bf16-autocast"), (2, "fp32", "bf16-autocast"),
+                                                   (2, "bf16-autocast", "fp32")])
+def test_fp32_and_bf16_autocast_checkpoints_resume_in_each_other_with_exactly_their_saved_state(
+        tmp_path, stage, saved, resumed):
+    """Why a resume may switch between fp32 and bf16-autocast (checkpoint.SAME_STATE_PRECISIONS):
+    a trainer in one, set up from a checkpoint of the other, holds bit for bit the weights and
+    optimizer state (Adam's moments, ZeRO's fp32 partitions) that the checkpoint saved."""
+    import trainer_runs as runs
+
+    run = [f"output_root={tmp_path}", f"zero.stage={stage}", "train.max_steps=2", "checkpoint.interval=2",
+           "data.num_workers=0", "eval.sample_tokens=0"]
+    trained = runs.train_here([*run, "run_name=saved", f"train.precision={saved}"])
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    tag_dir = tmp_path / "saved" / "ckpt" / "step_00000002"
+    module, optimizer = resumed_state(runs.base_config_file(), [*run, "run_name=resumed", "train.max_steps=4",
+                                                                f"train.precision={resumed}", f"resume={tag_dir}"])
+    model_states = torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    assert module.keys() == model_states["module"].keys()
+    for name, saved in model_states["module"].items():
+        assert module[name].dtype == torch.float32 and torch.equal(module[name], saved), name
+    saved_optimizer = tensors_in(model_states["optimizer"] if stage == 0 else torch.load(
+        tag_dir / "zero_pp_rank_0_mp_rank_00_optim_states.pt", map_location="cpu",
+        weights_only=False)["optimizer_state_dict"])
+    assert saved_optimizer and optimizer.keys() == saved_optimizer.keys()
+    assert any("exp_avg_sq" in path for path in saved_optimizer)
+    for path, saved in saved_optimizer.items():
+        assert torch.equal(optimizer[path], saved), path

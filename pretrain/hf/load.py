@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from common.fileio import read_json
+from common.fileio import read_json, sha256_hex
 from pretrain.hf import native
 from pretrain.models import family_name
 from pretrain.weights import LoadError, load_weights, read_safetensors
@@ -16,6 +16,10 @@ WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 RUN_FILE = "training_run.json"
 """Written by the export (`pretrain.export_hf`): what the directory was made from."""
+CHECKSUM_FILE = "SHA256SUMS"
+"""Written by the export: the digests of every other file, in `sha256sum`'s format, so that a copy
+moved between machines or hubs is checked with `sha256sum -c SHA256SUMS` in the directory; loading
+an export verifies it (`verify_checksums`)."""
 CODE_PREFIX = "model."
 """State-dict prefix of the exports that carry their code (`modeling.ExportedForCausalLM.model`)."""
 
@@ -34,12 +38,35 @@ def read_config(directory: Path) -> dict[str, Any]:
     return raw
 
 
+def verify_checksums(directory: Path) -> None:
+    """LoadError naming the files of an export that no longer match its SHA256SUMS (changed,
+    damaged, missing), before anything of it is read; a directory without SHA256SUMS (not an
+    export of this project) has nothing to check."""
+    file = directory / CHECKSUM_FILE
+    if not file.is_file():
+        return
+    try:
+        listed = [line.split("  ", 1) for line in file.read_text().splitlines() if line]
+        expected = {name: digest for digest, name in listed}
+    except (OSError, UnicodeDecodeError, ValueError):
+        raise LoadError(f"{file}: not a readable checksum list (two columns: digest, file name); "
+                        "copy the export again or export the run again") from None
+    damaged = [f"{name} ({'missing' if not (directory / name).is_file() else 'checksum mismatch'})"
+               for name, digest in sorted(expected.items())
+               if not (directory / name).is_file() or sha256_hex(directory / name) != digest]
+    if damaged:
+        raise LoadError(f"{directory}: {', '.join(damaged)} against {CHECKSUM_FILE}: changed or damaged after "
+                        "the export; copy it again or export the run again")
+
+
 def read_export(directory: Path) -> dict[str, Any]:
-    """The training_run.json of an export of this project."""
+    """The training_run.json of an export of this project, once its files are verified against
+    their checksums."""
     file = directory / RUN_FILE
     if not file.is_file():
         raise LoadError(f"{directory}: a Hugging Face directory without {RUN_FILE}, i.e. not written by "
                         "pretrain.export (to train from it, use model.init_from)")
+    verify_checksums(directory)
     return read_json(file, LoadError)
 
 
@@ -84,6 +111,7 @@ def load_pretrained_weights(model: torch.nn.Module, directory: str | Path) -> li
     directory = Path(directory)
     if not is_hf_directory(directory):
         raise LoadError(f"{directory}: not a Hugging Face model directory (no config.json)")
+    verify_checksums(directory)
     tensors, origin, notes = tensors_for(directory, model.config)
     load_weights(model, tensors, directory, origin)
     return [f"init_from {directory}: loaded {len(tensors)} tensors"] + [f"init_from {directory}: {n}" for n in notes]
