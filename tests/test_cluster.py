@@ -22,26 +22,20 @@ from pathlib import Path
 import pytest
 import yaml
 
+import trainer_runs as runs
 from tests import cluster as namespace_cluster
-from tests.trainer_runs import process_tree
 
 REPO = Path(__file__).resolve().parent.parent
-N_STEPS = 12
-CKPT_INTERVAL = 4
+N_STEPS, CKPT_INTERVAL = runs.N_STEPS, runs.CKPT_INTERVAL
 COLLECTIVE_TIMEOUT_S = 15
 BASE_CONFIG = {
-    "seed": 7,
-    "model": {"flavor": "gpt-tiny"},
+    **runs.BASE_CONFIG,
     # 12 sequences: 6 x 2 processes, or 4 x 3
-    "data": {"seq_len": 32, "micro_batch_size": 6, "num_workers": 1},
-    "optimizer": {"lr": 3e-3},
-    "schedule": {"kind": "cosine", "warmup_steps": 2, "min_lr": 3e-4},
-    "train": {"max_steps": N_STEPS, "global_batch_size": 12, "log_interval": 1,
-              "collective_timeout": COLLECTIVE_TIMEOUT_S},
-    "zero": {"stage": 2},
-    "checkpoint": {"interval": CKPT_INTERVAL, "keep": 5},
+    "data": {**runs.BASE_CONFIG["data"], "micro_batch_size": 6},
+    "train": {**runs.BASE_CONFIG["train"], "global_batch_size": 12, "collective_timeout": COLLECTIVE_TIMEOUT_S},
     "eval": {"interval": 0},
 }
+"""The trainer tests' run (tests/trainer_runs.py) with a global batch that 2 and 3 processes share."""
 
 
 @pytest.fixture(scope="module")
@@ -251,6 +245,22 @@ def test_max_requeues_reached_is_said(slurm, shared):
     assert fields["Restarts"] == "0" and fields["JobState"] == "FAILED" and fields["ExitCode"] == "75:0"
 
 
+def test_scancel_stops_the_job_with_a_checkpoint_and_does_not_requeue_it(slurm, shared):
+    """`scancel JOB` sends SIGTERM: the trainers save a checkpoint and the job ends, cancelled.
+    (The batch script took SIGTERM for a preemption and requeued the cancelled job, unless Slurm
+    killed it first, KillWait seconds later.)"""
+    job = submit(slurm, shared, "--nodes=2", overrides=["run_name=cancelled", "train.max_steps=1000"])
+    run = shared / "runs" / "cancelled"
+    wait_until(lambda: (run / "ckpt" / "step_00000004" / "complete.json").exists(), "the first checkpoint")
+    subprocess.run(["scancel", str(job)], env=slurm.env, check=True)
+    fields = slurm.wait_job(job, 120, states=("CANCELLED", "COMPLETED", "FAILED", "PENDING"))
+    time.sleep(3)  # a requeue would come right after the script's end
+    fields = slurm.job(job)
+    assert fields["JobState"] == "CANCELLED" and fields["Restarts"] == "0", fields
+    saved = re.findall(r"stopping at step (\d+) on SIGTERM: checkpoint saved", log(shared, job, 0))
+    assert saved and (run / "ckpt" / f"step_{int(saved[0]):08d}" / "complete.json").exists()
+
+
 def test_a_scaling_sweep_runs_as_a_job_array_and_fits(slurm, shared):
     sweep = {"name": "sw", "base_config": str(shared / "base.yaml"), "output_root": str(shared / "sweeps"),
              "families": {"gpt": {"flavor": "gpt-tiny"}}, "sizes": {"w8": {"n_embd": 8}, "w16": {"n_embd": 16}, "w32": {"n_embd": 32}},
@@ -298,7 +308,7 @@ def test_two_host_torchrun_survives_a_lost_host_and_resumes_exactly(slurm, share
     wait_until(lambda: (run / "ckpt" / "step_00000004" / "complete.json").exists() and
                5 in losses(run), "step 5", timeout=240)
     killed = time.monotonic()
-    for pid in process_tree(second.pid):  # the host's launcher and trainer die at once
+    for pid in runs.process_tree(second.pid):  # the host's launcher and trainer die at once
         os.kill(pid, signal.SIGKILL)
     out, _ = first.communicate(timeout=COLLECTIVE_TIMEOUT_S + 30)
     assert time.monotonic() - killed < COLLECTIVE_TIMEOUT_S + 10
