@@ -37,7 +37,7 @@ from pretrain.checkpoint import CheckpointError, CheckpointManager, ResumeState,
 from pretrain.config import (ConfigError, RunConfig, batch_split, compute_precision, describe_attention,
                              describe_batch_split, load_config, model_config, resolved_precision, to_dict, validate)
 from pretrain.engine import (configure_device_math, deepspeed_config, distributed_env, initialize,
-                             lost_peer_line, seed_process, training_device)
+                             lost_peer_line, seed_process, time_out_every_group, training_device)
 from pretrain.evaluate import EvalResult, evaluate, evaluate_downstream
 from pretrain.faults import Faults
 from pretrain.flops import peak_tflops
@@ -160,6 +160,7 @@ class Trainer:
         optimizer = build_optimizer(groups, cfg.optimizer, cfg.zero, self.on_gpu)
         self.engine = initialize(model, optimizer, deepspeed_config(cfg, self.world_size, self.precision),
                                  compile_backend=cfg.model.compile)
+        time_out_every_group(cfg.train.collective_timeout)
         self.spikes = SpikeGuard.for_run(cfg.train, family_name(self.model_config))
         self.spikes.install(self.engine)
         device_name = torch.cuda.get_device_name(self.device) if self.on_gpu else None
