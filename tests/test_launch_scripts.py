@@ -212,7 +212,10 @@ def test_sbatch_job_array_picks_its_line(slurm_env, tmp_path):
     assert all(c.endswith(f"--config {REPO / 'configs/tiny/nrgpt.yaml'} seed=2") for c in calls[1:])
 
 
-def test_sbatch_forwards_usr1_and_requeues(slurm_env):
+@pytest.mark.parametrize("sent", [signal.SIGUSR1, signal.SIGTERM])
+def test_sbatch_forwards_usr1_and_requeues(slurm_env, sent):
+    """Slurm's warning (SIGUSR1, `--signal=B:USR1@...`): the trainers checkpoint and the job is
+    requeued. SIGTERM (`scancel JOB`): they checkpoint and the job ends, not requeued."""
     env, record = slurm_env
     env["FAKE_MODE"] = "wait"
     job = subprocess.Popen(["bash", "launch/slurm.sbatch", "configs/tiny/gpt.yaml"], cwd=REPO,
@@ -221,12 +224,16 @@ def test_sbatch_forwards_usr1_and_requeues(slurm_env):
     while not all((record / f"pid.{r}").exists() for r in (0, 1)):
         assert time.time() < deadline, "stand-in trainers did not start"
         time.sleep(0.05)
-    job.send_signal(signal.SIGUSR1)  # what `#SBATCH --signal=B:USR1@...` delivers
+    job.send_signal(sent)
     out, err = job.communicate(timeout=30)
-    assert job.returncode == 0, err
     assert (record / "scancel").read_text().split() == ["--signal=USR1", "4242"]
     assert (record / "saved.0").exists() and (record / "saved.1").exists()
-    assert (record / "requeued").read_text().split() == ["4242"]
+    if sent == signal.SIGUSR1:
+        assert job.returncode == 0, err
+        assert (record / "requeued").read_text().split() == ["4242"]
+    else:
+        assert job.returncode == 75 and not (record / "requeued").exists(), err
+        assert "slurm.sbatch: stopped by SIGTERM (scancel or preemption), not requeueing; resubmit to resume" in err
 
 
 def test_sbatch_signal_during_the_check_requeues_without_starting_tasks(slurm_env):
