@@ -379,6 +379,11 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
         raise ConfigError(str(e)) from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of keys to values")
+    if "families" in raw:  # a key of sweep files only: say so instead of naming it an unknown key
+        raise ConfigError(
+            f"{path} is a scaling sweep file, not a run config; `python -m pretrain.scaling run {path} "
+            "--dry-run` writes each of its runs' config into the directory it names, and --config takes "
+            "one of those")
     from_command_line = set()
     override_keys = {item.partition("=")[0].strip() for item in overrides}
     if "data.path" in override_keys and not override_keys & PREPARATION_KEYS:
