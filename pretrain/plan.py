@@ -483,7 +483,8 @@ def describe(plan: Plan, cfg: RunConfig) -> str:
     else:
         fast, slow = plan.step_time_s
         scale, unit = duration_unit(fast)
-        lines.append(f"step time: {fast * scale:.3g}-{slow * scale:.3g} {unit} at {MFU_RANGE[0]:.0%}-{MFU_RANGE[1]:.0%} of "
+        lines.append(f"step time: {fast * scale:.3g}-{slow * scale:.3g} {unit} at "
+                     f"{MFU_RANGE[0]:.0%}-{MFU_RANGE[1]:.0%} of "
                      f"{peak_tflops(GPUS[plan.gpu].name, compute_precision(plan.precision)):g} TFLOP/s per GPU")
     return "\n".join(lines)
 
