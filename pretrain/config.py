@@ -379,6 +379,11 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
         raise ConfigError(str(e)) from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of keys to values")
+    if "families" in raw:  # a key of sweep files only: say so instead of naming it an unknown key
+        raise ConfigError(
+            f"{path} is a scaling sweep file, not a run config; `python -m pretrain.scaling run {path} "
+            "--dry-run` writes each of its runs' config into the directory it names, and --config takes "
+            "one of those")
     from_command_line = set()
     override_keys = {item.partition("=")[0].strip() for item in overrides}
     if "data.path" in override_keys and not override_keys & PREPARATION_KEYS:
@@ -604,9 +609,24 @@ def validate(cfg: RunConfig, world_size: int, has_gpu: bool) -> None:
     if not hasattr(model_config, "activation_checkpointing"):
         require(cfg.model.activation_checkpointing in (None, "off"), "model.activation_checkpointing",
                 f"flavor {cfg.model.flavor} has no activation checkpointing")
-    warmup = short_warmup(cfg)
-    if warmup and int(os.environ.get("RANK", "0")) == 0:  # every rank validates; one line is enough
-        print(f"warning: {warmup}", file=sys.stderr, flush=True)
+    cautions = [text for text in (short_warmup(cfg), dynamics_without_descent(cfg, model_config)) if text]
+    if int(os.environ.get("RANK", "0")) == 0:  # every rank validates; one line each is enough
+        for warning in cautions:
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
+
+
+def dynamics_without_descent(cfg: RunConfig, model_config: Any) -> str | None:
+    """What `eval.dynamics` will not do for a family without a descent, or None. A warning, not an
+    error: a sweep may set it for every family, and those with a descent get their scalars."""
+    from pretrain.models import family_name
+    from pretrain.models.probes import DESCENT_FAMILIES
+
+    family = family_name(model_config)
+    if not cfg.eval.dynamics or family in DESCENT_FAMILIES:
+        return None
+    return (f"eval.dynamics=true: a {family} model has no descent to measure, so this run logs no "
+            f"eval/dynamics scalars and summary.json's dynamics stays null (they exist for "
+            f"{', '.join(DESCENT_FAMILIES)})")
 
 
 def short_warmup(cfg: RunConfig) -> str | None:

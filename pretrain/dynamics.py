@@ -39,18 +39,26 @@ from pretrain.config import DataSection, EvalSection
 from pretrain.evaluate import run_dir_of
 from pretrain.metrics import append_to_tensorboard, pyplot
 from pretrain.models.ebt import energy_settled, token_losses
-from pretrain.models.probes import (after_each_step, never_rising, rank_correlation, read_out_each_step,
-                                    relative_update, state_energies)
+from pretrain.models.probes import (DESCENT_FAMILIES, after_each_step, never_rising, rank_correlation,
+                                    read_out_each_step, relative_update, state_energies)
 from pretrain.trained import DTYPES, TrainedModel, inside_trainer_directory, load_trained
 from pretrain.weights import LoadError
 
 RECURRENT = ("gpt_rec", "nrgpt")
-FAMILIES = (*RECURRENT, "ebt")
+FAMILIES = DESCENT_FAMILIES
 DEFAULT_TOLERANCES = (0.0, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0)
 TRAJECTORY_SAMPLE = 48
 """Tokens whose energy trajectories the NRGPT figure draws."""
 DECILES = 10
 REPORT = "dynamics.json"
+BATCHES_USED = ("The batches are the first {batches} of the {split} split in order, as one process reads them: "
+                "the trainer's eval/loss of a 1-process run. On N processes the trainer averaged eval.batches "
+                "batches of each process's own share, other windows, so its val loss differs a little; "
+                "--batches sets how many are read here.")
+"""Which batches the report measured (item of the report and the console), since a run's logged
+val loss covers other windows when it trained on several processes."""
+NRGPT_TRANSIENT = 1
+"""`--transient`'s default: NRGPT's energy may rise in its first step."""
 
 
 class DynamicsError(ValueError):
@@ -320,7 +328,8 @@ def scalars(report: dict) -> dict[str, float]:
 def markdown(report: dict, figure_names: list[str]) -> str:
     lines = [f"# Descent dynamics of {report['flavor']} at step {report['step']}", "",
              f"Source `{report['source']}`; {report['tokens']} {report['split']} tokens "
-             f"({report['batches']} batches of {report['batch_size']}); loss {report['loss']:.4f}.", ""]
+             f"({report['batches']} batches of {report['batch_size']}); loss {report['loss']:.4f}.", "",
+             BATCHES_USED.format(batches=report["batches"], split=report["split"]), ""]
     if "depth_curve" in report:
         lines += ["Loss when reading out after step s, and mean relative update of step s:", "",
                   markdown_table([{"steps": r["steps"], "loss": r["loss"], "update_norm": u}
@@ -398,20 +407,41 @@ def resolve_settings(args, trained: TrainedModel, tolerances: list[float]) -> Se
     if not data_dir or not (Path(data_dir) / "manifest.json").is_file():
         raise DynamicsError(f"the run's data ({data_dir or 'not recorded'}) is not there: give --data DIR, "
                             "a dataset prepared with the run's tokenizer and sequence length")
+    check_dataset(str(data_dir), args.split, trained.model_config.block_size)
     settings = Settings(data_dir=str(data_dir), split=args.split,
                         batch_size=args.batch_size or data.get("micro_batch_size", DataSection.micro_batch_size),
                         batches=args.batches or evaluation.get("batches", EvalSection.batches),
                         seed=run_config.get("seed", 0), tolerances=tolerances,
-                        transient=args.transient, max_think_steps=None)
+                        transient=NRGPT_TRANSIENT if args.transient is None else args.transient,
+                        max_think_steps=None)
     n_steps = trained.model_config.n_steps
     if trained.family == "ebt":
         settings.max_think_steps = args.max_think_steps or 4 * n_steps
     elif args.max_think_steps is not None:
         raise DynamicsError("--max-think-steps applies to EBT models only")
-    if trained.family == "nrgpt" and not 0 <= args.transient < n_steps:
+    if trained.family != "nrgpt" and args.transient is not None:
+        raise DynamicsError(f"--transient applies to NRGPT models only (a {trained.family} model has no "
+                            "energy per token to rise)")
+    if trained.family == "nrgpt" and not 0 <= settings.transient < n_steps:
         raise DynamicsError(f"--transient must be in [0, {n_steps - 1}] (the model takes {n_steps} steps), "
-                            f"got {args.transient}")
+                            f"got {settings.transient}")
     return settings
+
+
+def check_dataset(data_dir: str, split: str, context: int) -> None:
+    """A dataset the model can read: windows that fit its context, and some in `split`."""
+    from data_pipeline.packing import read_manifest
+
+    manifest = read_manifest(data_dir)
+    if manifest["seq_len"] > context:
+        raise DynamicsError(f"the dataset at {data_dir} has windows of {manifest['seq_len']} tokens, longer than "
+                            f"the model's context of {context}; give --data a dataset prepared with "
+                            f"--seq-len {context} or less")
+    if split in manifest["splits"] and manifest["splits"][split].get("windows", 0) == 0:  # no split: the loader says
+        others = [name for name, entry in manifest["splits"].items() if entry.get("windows", 0)]
+        raise DynamicsError(f"the dataset at {data_dir} has no {split} split (a val split needs a --val-fraction "
+                            f"above 0 when preparing); give --split {' or '.join(others) or 'train'}, or --data "
+                            "a dataset that has one")
 
 
 def measure(trained: TrainedModel, settings: Settings, device: torch.device) -> dict:
@@ -427,7 +457,8 @@ def measure(trained: TrainedModel, settings: Settings, device: torch.device) -> 
             "batches": settings.batches, "batch_size": settings.batch_size, **measured}
 
 
-def dynamics(args) -> Path:
+def dynamics(args) -> tuple[Path, str]:
+    """Measure, write the output directory; (its path, the report's tables for the console)."""
     tolerances = check_options(args)
     trained = load_trained(args.source, device=args.device, dtype=args.dtype)
     settings = resolve_settings(args, trained, tolerances)
@@ -446,7 +477,7 @@ def dynamics(args) -> Path:
     if run_dir is not None:
         append_to_tensorboard(run_dir / "tb", trained.step, scalars(public),
                               {f"dynamics/{name}": out / f"{name}.png" for name in figures})
-    return out
+    return out, markdown(public, [])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -460,8 +491,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", help="prepared dataset to read (default: the run's data.path)")
     parser.add_argument("--tolerances", default=",".join(f"{t:g}" for t in DEFAULT_TOLERANCES),
                         help="exit tolerances, comma-separated (relative update; EBT: relative energy change)")
-    parser.add_argument("--transient", type=int, default=1,
-                        help="NRGPT: steps before which the energy may rise (monotone fraction); default 1")
+    parser.add_argument("--transient", type=int,
+                        help=f"NRGPT: steps before which the energy may rise (monotone fraction); "
+                             f"default {NRGPT_TRANSIENT}")
     parser.add_argument("--max-think-steps", type=int, help="EBT: most descent steps (default 4 x the trained ones)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32")
@@ -469,10 +501,11 @@ def main(argv: list[str] | None = None) -> int:
     from data_pipeline.errors import DataError
 
     try:
-        out = dynamics(args)
+        out, tables = dynamics(args)
     except (DynamicsError, LoadError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    print(tables, end="")
     print(f"dynamics: {out / REPORT}", file=sys.stderr)
     return 0
 

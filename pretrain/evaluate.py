@@ -34,7 +34,8 @@ import torch.distributed as dist
 from common.cli import ArgumentParser, run_command
 from pretrain.config import DownstreamSection, EvalSection
 from pretrain.models import family_name
-from pretrain.models.probes import never_rising, rank_correlation, read_out_each_step, state_energies
+from pretrain.models.probes import (DESCENT_FAMILIES, never_rising, rank_correlation, read_out_each_step,
+                                   state_energies)
 
 
 DEPTH_READOUT_BUDGET = 0.05
@@ -117,7 +118,7 @@ class DescentProbe:
 
     @staticmethod
     def applies(model: torch.nn.Module, settings: EvalSection) -> bool:
-        return settings.dynamics and family_name(model.config) in ("gpt_rec", "nrgpt", "ebt")
+        return settings.dynamics and family_name(model.config) in DESCENT_FAMILIES
 
     def forward(self, engine, inputs: torch.Tensor, targets: torch.Tensor):
         """The evaluation's forward of a gpt_rec or NRGPT model, read out after every step."""

@@ -239,7 +239,7 @@ class Metrics:
                   f"{values['train/tokens_per_s']:,.0f} tok/s",
                   f"{values['train/step_time_s'] * 1e3:.0f} ms/step",
                   f"wait {values['train/data_wait_frac']:.0%}",
-                  f"skipped {values['train/skipped_steps']:.0f}",
+                  skipped_updates(values['train/skipped_steps'], values['train/spike_skips']),
                   f"eta {format_duration(self.eta_s(step))}"]
         self.print(" | ".join(p for p in parts if p))
 
@@ -257,6 +257,12 @@ class Metrics:
             self.bar.close()
             self._tensorboard(lambda writer: writer.close())
             self.writer = None
+
+
+def skipped_updates(nonfinite: float, spikes: float) -> str:
+    """The console's count of skipped updates, by cause (summary.json and TensorBoard keep the two
+    counts apart: `skipped_steps` are the non-finite ones)."""
+    return f"skipped {nonfinite + spikes:.0f} (non-finite {nonfinite:.0f}, spikes {spikes:.0f})"
 
 
 def format_duration(seconds: float) -> str:

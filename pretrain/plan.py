@@ -33,8 +33,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from common.cli import ArgumentParser, run_command
-from pretrain.config import (ConfigError, RunConfig, batch_split, compute_precision, load_config, model_config,
-                             resolved_precision, validate)
+from pretrain.config import (ConfigError, RunConfig, batch_split, compute_precision, describe_batch_split,
+                             load_config, model_config, resolved_precision, validate)
 from pretrain.engine import deepspeed_config
 from pretrain.flops import peak_tflops
 from pretrain.models import FLAVORS, build, family_name
@@ -452,8 +452,8 @@ def describe(plan: Plan, cfg: RunConfig) -> str:
         f"{' with optimizer offload' if cfg.zero.offload_optimizer else ''}",
         f"model: {plan.flavor} ({plan.family}), {plan.n_params / 1e6:.1f}M parameters, vocabulary "
         f"{plan.vocab_size} ({plan.vocab_source}), activation checkpointing {plan.activation_checkpointing}",
-        f"batch: global {cfg.train.global_batch_size} = micro-batch {plan.micro_batch_size} x {plan.gpus} GPU(s) x "
-        f"{plan.accumulation_steps} accumulation step(s); {plan.tokens_per_step:,} tokens per step",
+        # the trainer's own words, which name the cap when the micro-batch asked for is too large
+        f"{describe_batch_split(cfg, plan.gpus)}; {plan.tokens_per_step:,} tokens per step",
         "",
         "per GPU                  GiB",
         f"  parameters        {gib(p.parameters)}",
@@ -482,9 +482,20 @@ def describe(plan: Plan, cfg: RunConfig) -> str:
         lines.append(f"step time: no tensor-core peak for {plan.precision}")
     else:
         fast, slow = plan.step_time_s
-        lines.append(f"step time: {fast:.3f}-{slow:.3f} s at {MFU_RANGE[0]:.0%}-{MFU_RANGE[1]:.0%} of "
+        scale, unit = duration_unit(fast)
+        lines.append(f"step time: {fast * scale:.3g}-{slow * scale:.3g} {unit} at "
+                     f"{MFU_RANGE[0]:.0%}-{MFU_RANGE[1]:.0%} of "
                      f"{peak_tflops(GPUS[plan.gpu].name, compute_precision(plan.precision)):g} TFLOP/s per GPU")
     return "\n".join(lines)
+
+
+def duration_unit(seconds: float) -> tuple[float, str]:
+    """(factor, unit) that show `seconds` as a number of at least 1 (a tiny config's steps take
+    microseconds on a GPU, which seconds would print as 0.000)."""
+    for scale, unit in ((1, "s"), (1e3, "ms"), (1e6, "µs")):
+        if seconds * scale >= 1:
+            return scale, unit
+    return 1e9, "ns"
 
 
 def _positive(text: str) -> int:

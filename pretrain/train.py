@@ -49,6 +49,21 @@ from pretrain.stopping import (EXIT_PREEMPTED, Aborted, StopSignals, StoppedInSe
                                stopped_line)
 from pretrain.summary import SUMMARY_FILE, RunRecord, TrainState
 
+def use_current_collectives() -> None:
+    """Point DeepSpeed's communication backend at torch's current names of the single-tensor
+    collectives. It calls `all_gather_into_tensor` and `reduce_scatter_tensor`, which torch
+    deprecates for `all_gather_single` and `reduce_scatter_single` (the same collectives, same
+    arguments), so that every ZeRO launch printed a FutureWarning per process; a torch without
+    the new names keeps DeepSpeed's choice."""
+    from deepspeed import comm
+
+    backend = comm.comm.cdb
+    for attribute, current in (("all_gather_function", "all_gather_single"),
+                               ("reduce_scatter_function", "reduce_scatter_single")):
+        if hasattr(dist, current) and getattr(backend, attribute, None) is not None:
+            setattr(backend, attribute, getattr(dist, current))
+
+
 class NonFiniteError(RuntimeError):
     """Non-finite updates keep coming back after reloading the last good checkpoint."""
 
@@ -87,6 +102,7 @@ class Trainer:
 
         cfg = self.cfg
         deepspeed.init_distributed(verbose=False, timeout=timedelta(seconds=cfg.train.collective_timeout))
+        use_current_collectives()
         preflight(cfg, self.checkpoints)  # before any work
         self.manifest = manifest = self.prepare_data()
         self.data = data_identity(manifest, [(read_manifest(entry.path), entry.proportion, entry.repeat)

@@ -251,6 +251,10 @@ CASES = {
     "fit of a missing directory": (("pretrain.scaling", ["fit", "{root}/nothing"]), "nothing"),
     "sweep file with a key twice": (("pretrain.scaling", ["run", "{root}/twice_sweep.yaml"]),
                                     "duplicate key 'name' at line 3 (first at line 1)"),
+    "trainer given a sweep file": (train("--config", "configs/scaling/isoflop.yaml"),
+                                   "configs/scaling/isoflop.yaml is a scaling sweep file, not a run config"),
+    "plan of a sweep file": (("pretrain.plan", ["--config", "configs/scaling/isoflop.yaml", "--gpus", "1"]),
+                             "`python -m pretrain.scaling run configs/scaling/isoflop.yaml --dry-run` writes"),
     # malformed command lines, one per command
     "trainer option unknown": (train("--config", "{config}", "--bogus"), "unrecognized arguments: --bogus (see --help)"),
     "trainer without a config": (train(), "the following arguments are required: --config"),

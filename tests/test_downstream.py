@@ -249,6 +249,14 @@ def gpt2_export(tmp_path: Path, flavor: str) -> Path:
     return file
 
 
+def test_the_table_names_the_default_think_steps_instead_of_none():
+    rows = [harness.Row("arc_easy", "acc", 0.5, None, 3, best_of=4),
+            harness.Row("arc_easy", "acc", 0.25, None, 3, think_steps=2)]
+    table = harness.table(rows)
+    assert "None" not in table, table
+    assert "| arc_easy | acc | default | 4 |" in table and "| arc_easy | acc | 2 | 1 |" in table
+
+
 def test_ebt_thinks_at_each_step_count_of_the_command(tmp_path, capsys):
     file = gpt2_export(tmp_path, "ebt-tiny")
     out = tmp_path / "thinking.json"

@@ -42,7 +42,8 @@ def reports(tmp_path_factory):
         command = runs.command_here("pretrain.dynamics", [str(runs.run_dir(name)), "--out", str(out / family),
                                                           "--tolerances", TOLERANCES])
         assert command.returncode == 0, command.stderr[-3000:]
-        results[family] = (name, out / family, json.loads((out / family / "dynamics.json").read_text()))
+        results[family] = (name, out / family, json.loads((out / family / "dynamics.json").read_text()),
+                           command.stdout)
     return results
 
 
@@ -75,7 +76,7 @@ def check_outputs(name: str, out, report: dict, figures: list[str]) -> None:
 
 @pytest.mark.parametrize("family", ["nrgpt", "gpt_rec"])
 def test_recurrent_report(reports, family):
-    name, out, report = reports[family]
+    name, out, report, _ = reports[family]
     n_steps = resolve(FLAVORS[family], {}).n_steps
     depth = [row["loss"] for row in report["depth_curve"]]
     assert [row["steps"] for row in report["depth_curve"]] == list(range(1, n_steps + 1))
@@ -97,7 +98,7 @@ def test_recurrent_report(reports, family):
 
 
 def test_ebt_report(reports):
-    name, out, report = reports["ebt"]
+    name, out, report, _ = reports["ebt"]
     n_steps = resolve("ebt-tiny", {}).n_steps
     assert report["n_steps"] == n_steps and report["max_think_steps"] == 4 * n_steps
     curve = [row["loss"] for row in report["thinking_curve"]]
@@ -193,8 +194,32 @@ def test_ebt_stop_has_no_leakage_and_its_limits():
     assert torch.equal(huge.logits, model.think(idx, steps=1).logits)
 
 
+@pytest.mark.parametrize("family", list(FLAVORS))
+def test_the_console_shows_the_tables_and_which_batches(reports, family):
+    """The command printed only the path of dynamics.json, and nothing said which batches it read
+    (a 2-process run's val loss covers other windows than one process reads)."""
+    _, out, report, stdout = reports[family]
+    written = (out / "dynamics.md").read_text()
+    assert stdout == "\n".join(line for line in written.splitlines() if not line.startswith("![")) + "\n"
+    assert "| tolerance |" in stdout
+    used = ("The batches are the first 2 of the val split in order, as one process reads them: the trainer's "
+            "eval/loss of a 1-process run. On N processes the trainer averaged eval.batches batches of each "
+            "process's own share")
+    assert used in stdout and used in written and report["batches"] == 2
+
+
+def prepared_char_dataset(path, seq_len: int, val_fraction: float):
+    from data_pipeline.prepare import prepare
+
+    prepare("shakespeare", str(path), seq_len=seq_len, val_fraction=val_fraction, tokenizer="char",
+            max_docs=20, num_proc=1, progress_bar=False)
+    return path
+
+
 def test_bad_input_is_one_line_and_writes_nothing(reports, tmp_path):
     name = reports["nrgpt"][0]
+    longer = prepared_char_dataset(tmp_path / "longer", seq_len=64, val_fraction=0.0)
+    no_val = prepared_char_dataset(tmp_path / "no-val", seq_len=32, val_fraction=0.0)
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("mine")
@@ -202,7 +227,13 @@ def test_bad_input_is_one_line_and_writes_nothing(reports, tmp_path):
              (["--tolerances", "0,-1"], "--tolerances"),
              (["--split", "nosuch"], "no split 'nosuch'"),
              (["--transient", "3"], "--transient must be in [0, 2]"),
-             (["--max-think-steps", "4"], "EBT models only")]
+             (["--max-think-steps", "4"], "EBT models only"),
+             (["--data", str(longer), "--split", "train"], f"the dataset at {longer} has windows of 64 tokens, longer than the "
+                                       "model's context of 32; give --data a dataset prepared with --seq-len 32"),
+             (["--data", str(no_val)], f"the dataset at {no_val} has no val split (a val split needs a "
+                                       "--val-fraction above 0 when preparing); give --split train, or --data"),
+             ([str(runs.run_dir(reports["ebt"][0])), "--transient", "1"], "--transient applies to NRGPT models only"),
+             ([str(runs.run_dir(reports["gpt_rec"][0])), "--transient", "1"], "--transient applies to NRGPT")]
     for extra, message in cases:
         source = [] if extra[0].startswith("/") else [str(runs.run_dir(name))]
         result = runs.command_here("pretrain.dynamics", [*source, *extra, "--out", str(tmp_path / "out")])

@@ -172,7 +172,18 @@ def test_table_says_whether_it_fits(capsys):
     code, out, _ = run_main(capsys, "--config", "configs/tiny/ebt.yaml", "--gpus", "1", "--micro-batch", "8")
     assert code == 0
     assert "activations" in out and "fits" in out and "FLOPs per token" in out
-    assert "micro-batch 8 x 1 GPU(s) x 1 accumulation step(s)" in out
+    assert "micro-batch 8 x 1 process(es) x 1 accumulation step(s)" in out
+
+
+def test_table_shows_a_tiny_step_time_and_the_micro_batch_cap(capsys):
+    code, out, err = run_main(capsys, "--config", "configs/tiny/gpt.yaml", "--gpus", "2", "--micro-batch", "100000")
+    assert code == 0, err
+    # a tiny model's step takes under a microsecond at 30-50% of an H100's peak: a unit that shows it
+    step_time = next(line for line in out.splitlines() if line.startswith("step time: "))
+    fast, slow = step_time.split()[2].split("-")
+    assert step_time.split()[3] == "ns" and 0 < float(fast) < float(slow), step_time
+    # the trainer caps the micro-batch at the 4 sequences each GPU gets per step, and says so as --check does
+    assert "micro-batch 4 x 2 process(es)" in out and "data.micro_batch_size=100000 is the most" in out
 
 
 @pytest.mark.parametrize("argv, says", [
@@ -181,6 +192,9 @@ def test_table_says_whether_it_fits(capsys):
     (["--config", "configs/tiny/gpt.yaml", "--gpus", "0"], "expected a positive whole number"),
     (["--config", "configs/tiny/missing.yaml", "--gpus", "1"], "config file not found"),
     (["--config", "configs/tiny/gpt.yaml", "--gpus", "1", "model.flavor=gpt-huge"], "unknown model flavor"),
+    (["--config", "configs/scaling/isoflop.yaml", "--gpus", "1"],
+     "is a scaling sweep file, not a run config; `python -m pretrain.scaling run configs/scaling/isoflop.yaml "
+     "--dry-run` writes each of its runs' config"),
 ])
 def test_bad_input_is_one_line_and_status_2(capsys, argv, says):
     try:

@@ -67,6 +67,9 @@ def test_without_zero_the_guarded_adamw_vetoes_the_spike(tmp_path):
     assert "step 7: loss " in result.stdout and ": a spike, update skipped on all ranks" in result.stdout
     summary = json.loads((runs.run_dir(name) / "summary.json").read_text())
     assert summary["spike_skips"] == 1 and summary["skipped_steps"] == 0
+    # the console's step lines after it count the skipped update by its cause
+    last_step_line = [line for line in result.stdout.splitlines() if line.startswith("step ") and " | " in line][-1]
+    assert "| skipped 1 (non-finite 0, spikes 1) |" in last_step_line, last_step_line
     before, after, later = (weights(runs.run_dir(name) / "ckpt" / f"step_{step:08d}") for step in (6, 7, 8))
     assert all(torch.equal(before[k], after[k]) for k in before), "the spike was applied"
     assert not all(torch.equal(after[k], later[k]) for k in after), "the next update was not applied"

@@ -232,3 +232,12 @@ def test_config_in_run_directory_is_the_resolved_one(matrix):
     name = runs.reference_name("nrgpt", 1)
     cfg = load_config(runs.run_dir(name) / "config.yaml")
     assert cfg.model.flavor == "nrgpt-tiny" and cfg.zero.stage == 1 and cfg.run_name == name
+
+
+def test_zero_launches_use_torchs_current_collectives(matrix):
+    """DeepSpeed's backend gathered with torch.distributed.all_gather_into_tensor (and
+    reduce-scattered with reduce_scatter_tensor), which torch deprecates for all_gather_single:
+    a FutureWarning from every process of every 2-process ZeRO launch."""
+    deprecated = [line for line in matrix.stderr.splitlines()
+                  if "FutureWarning" in line and "torch.distributed" in line]
+    assert deprecated == [], deprecated

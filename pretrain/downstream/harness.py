@@ -329,7 +329,8 @@ def table(rows: list[Row]) -> str:
     for r in summary_rows(rows):
         line = {"task": r.task, "metric": r.metric}
         if thinking:
-            line.update({"think steps": r.think_steps, "best of": r.best_of})
+            # None: the model's own number of steps (a row of --best-of or --think-until alone)
+            line.update({"think steps": "default" if r.think_steps is None else r.think_steps, "best of": r.best_of})
         if adaptive:
             line.update({"think until": "" if r.think_until is None else f"{r.think_until:g}",
                          "mean steps": "" if r.mean_steps is None else f"{r.mean_steps:.2f}"})

@@ -13,6 +13,9 @@ import torch.nn as nn
 from pretrain.models.blocks import wide
 from pretrain.models.ebt import token_losses
 
+DESCENT_FAMILIES = ("gpt_rec", "nrgpt", "ebt")
+"""The families whose forward is a descent, which these probes measure (the others have none)."""
+
 MONOTONE_SLACK = 64
 """A rise of a token's energy smaller than this many float32 roundings of its largest |energy|
 is rounding, not a rise."""
