@@ -170,6 +170,25 @@ def test_three_nodes_train_like_two_processes_on_one_host(slurm, shared, referen
     assert_same_losses(losses(shared / "runs" / "three"), reference_two, rel=1e-5)
 
 
+def test_a_two_node_run_resubmitted_on_three_nodes_continues_it(slurm, shared, reference_two):
+    """The preempted test's 2-node run, resubmitted on 3 nodes for 4 more steps: the checkpoint
+    is converted once to the new layout and the run continues where it stopped; its first new
+    step equals the 2-process run continued on one host, up to the rounding of 3 ranks' sums."""
+    run = shared / "runs" / "preempted"
+    assert max(losses(run)) == N_STEPS, "needs the preempted test's run"
+    longer = f"train.max_steps={N_STEPS + 4}"
+    job = submit(slurm, shared, "--nodes=3", overrides=["run_name=preempted", longer])
+    continued_here = one_host_run(shared, "one-host-2", 2, longer)
+    fields = slurm.wait_job(job, 240)
+    node0 = log(shared, job, 0)
+    assert fields["JobState"] == "COMPLETED", (log(shared, job) + node0)[-3000:]
+    assert f"resuming at step {N_STEPS}" in node0 and "micro-batch 4 x 3 process(es)" in node0
+    continued = losses(run)
+    assert sorted(continued) == list(range(1, N_STEPS + 5))
+    for step in range(N_STEPS + 1, N_STEPS + 5):
+        assert math.isclose(continued[step], continued_here[step], rel_tol=1e-5), (step, continued[step])
+
+
 def job_nodes(slurm, job: int) -> list[int]:
     names = subprocess.run(["scontrol", "show", "hostnames", slurm.job(job)["NodeList"]], env=slurm.env,
                            capture_output=True, text=True, check=True).stdout.split()
