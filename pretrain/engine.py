@@ -244,6 +244,22 @@ def time_out_every_group(seconds: float) -> None:
         c10d._set_pg_timeout(timedelta(seconds=seconds), group)
 
 
+def use_current_collectives() -> None:
+    """Point DeepSpeed's communication backend at torch's current names of the single-tensor
+    collectives. It calls `all_gather_into_tensor` and `reduce_scatter_tensor`, which torch
+    deprecates for `all_gather_single` and `reduce_scatter_single` (the same collectives, same
+    arguments), so that every ZeRO launch printed a FutureWarning per process; a torch without
+    the new names keeps DeepSpeed's choice."""
+    import torch.distributed as dist
+    from deepspeed import comm
+
+    backend = comm.comm.cdb
+    for attribute, current in (("all_gather_function", "all_gather_single"),
+                               ("reduce_scatter_function", "reduce_scatter_single")):
+        if hasattr(dist, current) and getattr(backend, attribute, None) is not None:
+            setattr(backend, attribute, getattr(dist, current))
+
+
 def compiled_cpu_kernel_settings() -> None:
     """Settings for the CPU kernels inductor generates, set before the first compiled call.
 

@@ -37,7 +37,8 @@ from pretrain.checkpoint import CheckpointError, CheckpointManager, ResumeState,
 from pretrain.config import (ConfigError, RunConfig, batch_split, compute_precision, describe_attention,
                              describe_batch_split, load_config, model_config, resolved_precision, to_dict, validate)
 from pretrain.engine import (configure_device_math, deepspeed_config, distributed_env, initialize,
-                             lost_peer_line, seed_process, time_out_every_group, training_device)
+                             lost_peer_line, seed_process, time_out_every_group, training_device,
+                             use_current_collectives)
 from pretrain.evaluate import EvalResult, evaluate, evaluate_downstream
 from pretrain.faults import Faults
 from pretrain.flops import peak_tflops
@@ -48,20 +49,6 @@ from pretrain.preflight import check_dataset, evaluates, preflight
 from pretrain.stopping import (EXIT_PREEMPTED, Aborted, StopSignals, StoppedInSetup, ignore_stop_signals,
                                stopped_line)
 from pretrain.summary import SUMMARY_FILE, RunRecord, TrainState
-
-def use_current_collectives() -> None:
-    """Point DeepSpeed's communication backend at torch's current names of the single-tensor
-    collectives. It calls `all_gather_into_tensor` and `reduce_scatter_tensor`, which torch
-    deprecates for `all_gather_single` and `reduce_scatter_single` (the same collectives, same
-    arguments), so that every ZeRO launch printed a FutureWarning per process; a torch without
-    the new names keeps DeepSpeed's choice."""
-    from deepspeed import comm
-
-    backend = comm.comm.cdb
-    for attribute, current in (("all_gather_function", "all_gather_single"),
-                               ("reduce_scatter_function", "reduce_scatter_single")):
-        if hasattr(dist, current) and getattr(backend, attribute, None) is not None:
-            setattr(backend, attribute, getattr(dist, current))
 
 
 class NonFiniteError(RuntimeError):
