@@ -28,6 +28,7 @@ BRIDGE = "pretrainbr0"
 NETNS_PREFIX = "pretrain-"
 """Node k's network namespace is `pretrain-nk` (its hostname `nk`)."""
 CTLD_PORT, SLURMD_PORT = 16817, 16818
+REPO = Path(__file__).resolve().parent.parent
 REQUIRED = {"slurmctld": "slurmctld", "slurmd": "slurmd", "sbatch": "slurm-client", "munged": "munge"}
 """The programs a cluster needs, with the Debian package of each."""
 
@@ -108,9 +109,17 @@ class Cluster:
 
     def on_node(self, k: int, argv: list[str]) -> list[str]:
         """`argv` as a command that runs on node k: in its network namespace, under its hostname,
-        with the cluster's /etc/hosts and a /tmp and /dev/shm of its own."""
+        with the cluster's /etc/hosts and a /tmp and /dev/shm of its own. The repository stays
+        shared even where it lies under /tmp (a clone there, as CI may make): as on a cluster,
+        the code is on the shared filesystem."""
+        kept = [path for path in (REPO,) if Path("/tmp") in path.parents]
+        handle = self.root / f"tmp-of-the-machine-{node_name(k)}"  # the machine's /tmp, for a moment
+        handle.mkdir(exist_ok=True)
+        rebind = "".join(f"mkdir -p {path} && mount --bind {handle}/{path.relative_to('/tmp')} {path} && "
+                         for path in kept)
         setup = (f"hostname {node_name(k)} && mount --bind {self.hosts} /etc/hosts && "
-                 "mount -t tmpfs tmpfs /dev/shm && mount -t tmpfs tmpfs /tmp && exec \"$@\"")
+                 f"mount -t tmpfs tmpfs /dev/shm && mount --bind /tmp {handle} && "
+                 f"mount -t tmpfs tmpfs /tmp && {rebind}umount -l {handle} && exec \"$@\"")
         return ["nsenter", f"--net=/run/netns/{NETNS_PREFIX}{node_name(k)}", "unshare", "--uts",
                 "--mount", "sh", "-c", setup, "node", *argv]
 
