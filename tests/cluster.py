@@ -29,6 +29,9 @@ NETNS_PREFIX = "pretrain-"
 """Node k's network namespace is `pretrain-nk` (its hostname `nk`)."""
 CTLD_PORT, SLURMD_PORT = 16817, 16818
 REPO = Path(__file__).resolve().parent.parent
+PIDS = Path("/run/pretrain-test-cluster.pids")
+"""The daemons of the running cluster, so that the next one ends those a killed run left behind
+(they hold the ports)."""
 REQUIRED = {"slurmctld": "slurmctld", "slurmd": "slurmd", "sbatch": "slurm-client", "munged": "munge"}
 """The programs a cluster needs, with the Debian package of each."""
 
@@ -60,6 +63,20 @@ def node_address(k: int) -> str:
 def veth(k: int) -> str:
     """The node's end of its link on the bridge's side (`ip link set vethK down` cuts it off)."""
     return f"pretrainv{k}"
+
+
+def end_leftover_daemons() -> None:
+    """End the daemons that a cluster whose run was killed before its teardown left running."""
+    if not PIDS.exists():
+        return
+    for pid in PIDS.read_text().split():
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
+            if Path(command.decode()).name in ("munged", "slurmctld", "slurmd", "nsenter"):
+                os.kill(int(pid), signal.SIGKILL)
+        except (OSError, ValueError):
+            pass
+    PIDS.unlink()
 
 
 def remove_network(nodes: int = 8) -> None:
@@ -185,6 +202,8 @@ class Cluster:
         self.daemons[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
                                               env=self.env, start_new_session=True)
         log.close()
+        with PIDS.open("a") as pids:
+            pids.write(f"{self.daemons[name].pid}\n")
 
     def _munge_up(self) -> None:
         munge = self.root / "munge"
@@ -223,6 +242,7 @@ class Cluster:
 
     def up(self) -> "Cluster":
         self.root.mkdir(parents=True, exist_ok=True)
+        end_leftover_daemons()
         self._network_up()
         if self.slurm:
             self._write_config()
@@ -243,6 +263,7 @@ class Cluster:
                     daemon.kill()
                     daemon.wait()
         self.daemons.clear()
+        PIDS.unlink(missing_ok=True)
         remove_network(self.nodes)
 
     # -- jobs ----------------------------------------------------------------------------------
