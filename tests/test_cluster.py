@@ -264,22 +264,6 @@ def test_max_requeues_reached_is_said(slurm, shared):
     assert fields["Restarts"] == "0" and fields["JobState"] == "FAILED" and fields["ExitCode"] == "75:0"
 
 
-def test_scancel_stops_the_job_with_a_checkpoint_and_does_not_requeue_it(slurm, shared):
-    """`scancel JOB` sends SIGTERM: the trainers save a checkpoint and the job ends, cancelled.
-    (The batch script took SIGTERM for a preemption and requeued the cancelled job, unless Slurm
-    killed it first, KillWait seconds later.)"""
-    job = submit(slurm, shared, "--nodes=2", overrides=["run_name=cancelled", "train.max_steps=1000"])
-    run = shared / "runs" / "cancelled"
-    wait_until(lambda: (run / "ckpt" / "step_00000004" / "complete.json").exists(), "the first checkpoint")
-    subprocess.run(["scancel", str(job)], env=slurm.env, check=True)
-    fields = slurm.wait_job(job, 120, states=("CANCELLED", "COMPLETED", "FAILED", "PENDING"))
-    time.sleep(3)  # a requeue would come right after the script's end
-    fields = slurm.job(job)
-    assert fields["JobState"] == "CANCELLED" and fields["Restarts"] == "0", fields
-    saved = re.findall(r"stopping at step (\d+) on SIGTERM: checkpoint saved", log(shared, job, 0))
-    assert saved and (run / "ckpt" / f"step_{int(saved[0]):08d}" / "complete.json").exists()
-
-
 def test_a_scaling_sweep_runs_as_a_job_array_and_fits(slurm, shared):
     sweep = {"name": "sw", "base_config": str(shared / "base.yaml"), "output_root": str(shared / "sweeps"),
              "families": {"gpt": {"flavor": "gpt-tiny"}}, "sizes": {"w8": {"n_embd": 8}, "w16": {"n_embd": 16}, "w32": {"n_embd": 32}},
