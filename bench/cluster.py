@@ -26,6 +26,8 @@ from pathlib import Path
 import yaml
 
 from common.cli import ArgumentParser, run_command
+from tests import cluster as namespace_cluster
+from tests.cluster import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = {
@@ -35,16 +37,6 @@ CONFIG = {
     "train": {"max_steps": 100000, "global_batch_size": 12, "log_interval": 1, "collective_timeout": 15},
     "zero": {"stage": 2}, "checkpoint": {"interval": 5, "keep": 2}, "eval": {"interval": 0},
 }
-
-
-def wait_until(condition, what: str, timeout: float = 300) -> float:
-    """Poll `condition` until it holds; the time it held (perf_counter)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(0.05)
-    return time.perf_counter()
 
 
 def steps_after_resume(log: Path, resumes: int) -> bool:
@@ -63,17 +55,16 @@ def one_round(cluster, root: Path, config: Path, name: str, nodes: int) -> dict[
                          str(config), f"run_name={name}", cwd=REPO, env=env)
     node0 = root / "logs" / f"slurm-pretrain-{job}-node0.out"
     try:
-        started = wait_until(lambda: steps_after_resume(node0, 0), "the first step")
+        started = wait_until(lambda: steps_after_resume(node0, 0), "the first step", timeout=300)
         run = root / "runs" / name
-        wait_until(lambda: (run / "ckpt" / "latest").exists(), "a checkpoint")
+        wait_until(lambda: (run / "ckpt" / "latest").exists(), "a checkpoint", timeout=300)
         signalled = time.perf_counter()
         subprocess.run(["scancel", "--signal=USR1", "--batch", str(job)], env=env, check=True)
-        preempted = wait_until(lambda: steps_after_resume(node0, 1), "the requeued job's first step")
-        lost = int(subprocess.run(["scontrol", "show", "hostnames", cluster.job(job)["NodeList"]], env=env,
-                                  capture_output=True, text=True, check=True).stdout.split()[-1][1:])
+        preempted = wait_until(lambda: steps_after_resume(node0, 1), "the requeued job's first step", timeout=300)
+        lost = cluster.job_nodes(job)[-1]
         killed = time.perf_counter()
         cluster.kill_node(lost)
-        resumed = wait_until(lambda: steps_after_resume(node0, 2), "the first step after the node loss")
+        resumed = wait_until(lambda: steps_after_resume(node0, 2), "the first step after the node loss", timeout=300)
     finally:
         subprocess.run(["scancel", str(job)], env=env)
     cluster.wait_nodes("down*", 60, nodes=[lost])
@@ -88,7 +79,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nodes", type=int, default=2, help="nodes per job (the cluster has one more)")
     args = parser.parse_args(argv)
     from data_pipeline.prepare import prepare
-    from tests import cluster as namespace_cluster
 
     reason = namespace_cluster.missing()
     if reason:

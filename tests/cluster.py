@@ -297,13 +297,25 @@ class Cluster:
                                      f"(last: {seen.get('JobState')}, {seen.get('Reason')})")
         return seen
 
+    def job_nodes(self, job_id: int) -> list[int]:
+        """The numbers of the nodes a job runs on (its node list expanded), in order."""
+        names = sh("scontrol", "show", "hostnames", self.job(job_id)["NodeList"], env=self.env).stdout.split()
+        return [int(name.removeprefix("n")) for name in names]
+
     @staticmethod
     def _wait(condition, timeout: float, what: str) -> None:
-        deadline = time.monotonic() + timeout
-        while not condition():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
-            time.sleep(0.2)
+        wait_until(condition, what, timeout)
+
+
+def wait_until(condition, what: str, timeout: float = 240) -> float:
+    """Poll `condition` until it holds (or raise TimeoutError naming `what`); when it held
+    (time.perf_counter)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.05)
+    return time.perf_counter()
 
 
 def main(argv: list[str]) -> int:

@@ -24,6 +24,7 @@ import yaml
 
 import trainer_runs as runs
 from tests import cluster as namespace_cluster
+from tests.cluster import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 N_STEPS, CKPT_INTERVAL = runs.N_STEPS, runs.CKPT_INTERVAL
@@ -90,13 +91,6 @@ def submit(slurm, shared: Path, *sbatch_options: str, overrides=(), env=None) ->
 def log(shared: Path, job: int, node: int | None = None) -> str:
     path = shared / "logs" / (f"slurm-pretrain-{job}.out" if node is None else f"slurm-pretrain-{job}-node{node}.out")
     return path.read_text(errors="replace") if path.exists() else ""
-
-
-def wait_until(condition, what: str, timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting for {what}"
-        time.sleep(0.2)
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -189,12 +183,6 @@ def test_a_two_node_run_resubmitted_on_three_nodes_continues_it(slurm, shared, r
         assert math.isclose(continued[step], continued_here[step], rel_tol=1e-5), (step, continued[step])
 
 
-def job_nodes(slurm, job: int) -> list[int]:
-    names = subprocess.run(["scontrol", "show", "hostnames", slurm.job(job)["NodeList"]], env=slurm.env,
-                           capture_output=True, text=True, check=True).stdout.split()
-    return [int(name.removeprefix("n")) for name in names]
-
-
 def test_node_lost_mid_checkpoint_requeues_and_resumes_from_the_newest_complete_one(slurm, shared,
                                                                                    reference_two):
     """The README's line for CPU nodes, `sbatch --nodes=2 launch/slurm.sbatch CONFIG` (one process
@@ -209,7 +197,7 @@ def test_node_lost_mid_checkpoint_requeues_and_resumes_from_the_newest_complete_
     stall.touch()  # the next checkpoint waits, written but not marked complete, until this goes
     partial = run / "ckpt" / "step_00000008"
     wait_until(lambda: (partial / "mp_rank_00_model_states.pt").exists(), "the second checkpoint's files")
-    lost = job_nodes(slurm, job)[1]
+    lost = slurm.job_nodes(job)[1]
     slurm.kill_node(lost)
     killed = time.monotonic()
     stall.unlink()
