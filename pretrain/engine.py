@@ -49,8 +49,11 @@ def distributed_env() -> tuple[int, int, int]:
     return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"])
 
 
-GLOO_PEER_ERROR = re.compile(r"\[([0-9A-Fa-f.:]+)\]:\d+: ([^.]+)")
-"""gloo's message for a connection to a peer that broke: `... [ADDRESS]:PORT: REASON. ...`."""
+GLOO_PEER_ERROR = re.compile(r"\] ([^\[\]]*?) ?\[([0-9A-Fa-f.:]+)\]:\d+(?:: ([^.\n]+))?")
+"""gloo's message for a connection to a peer that broke, in its two forms: `[SOURCE] Read error
+[ADDRESS]:PORT: REASON` (the peer reset it) and `[SOURCE] Connection closed by peer [ADDRESS]:PORT`
+(the peer's kernel closed it in order when its process died); which one a survivor sees depends on
+whether the dead peer had unread data."""
 
 
 def lost_peer_line(error: BaseException, timeout_s: float) -> str | None:
@@ -65,12 +68,12 @@ def lost_peer_line(error: BaseException, timeout_s: float) -> str | None:
         return None
     found = GLOO_PEER_ERROR.search(text)
     if found:
-        address, reason = found.groups()
+        event, address, reason = found.groups()
         try:
             peer = f"{socket.gethostbyaddr(address)[0]} ({address})"
         except OSError:
             peer = address
-        what = f"lost the connection to {peer}: {reason.strip()}"
+        what = f"lost the connection to {peer}: {(reason or event).strip()}"
     elif "Timed out" in text or "timed out" in text:
         what = f"another process sent nothing for train.collective_timeout={timeout_s:g} s"
     else:

@@ -525,3 +525,24 @@ def test_a_full_disk_while_saving_keeps_the_previous_checkpoint(source_run, tmp_
     assert (run_dir / "ckpt" / checkpoint.LATEST).read_text() == "step_00000004"
     marker, damage = checkpoint.check_intact(tag(run_dir, 4))
     assert damage == [] and marker.step == 4
+
+
+@pytest.mark.parametrize("message, what", [
+    ("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:40061: Connection reset by peer",
+     "lost the connection to {peer}: Connection reset by peer;"),
+    ("[../third_party/gloo/gloo/transport/tcp/pair.cc:598] Connection closed by peer [127.0.0.1]:40061",
+     "lost the connection to {peer}: Connection closed by peer;"),
+    ("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 15000ms for recv operation to complete",
+     "another process sent nothing for train.collective_timeout=15 s;"),
+])
+def test_a_lost_peer_is_one_line_naming_it_in_each_of_gloos_forms(message, what):
+    """gloo reports a dead peer as a reset, an orderly close or a time-out, depending on what the
+    peer's kernel had in flight; each is the line naming the peer (or the time-out), never None."""
+    import socket
+
+    from pretrain.engine import lost_peer_line
+
+    peer = f"{socket.gethostbyaddr('127.0.0.1')[0]} (127.0.0.1)"
+    line = lost_peer_line(RuntimeError(message), 15)
+    assert line is not None and what.format(peer=peer) in line, line
+    assert lost_peer_line(RuntimeError("CUDA out of memory"), 15) is None
