@@ -22,6 +22,7 @@ from typing import Any
 
 import yaml
 
+from pretrain.precision import PRECISION_SETTINGS, PrecisionSetting, resolve_precision
 from pretrain.typed import YAMLError, load_yaml, parse_override, read_typed
 
 RESUME_MODES = ("auto", "never", "restart")
@@ -149,10 +150,6 @@ class ScheduleSection:
     """Step at which the decay reaches `min_lr` (held afterwards); None: the end of the budget."""
 
 
-PRECISIONS = ("auto", "fp32", "bf16", "bf16-autocast", "fp16")
-"""The values of `train.precision`."""
-
-
 @dataclass
 class TrainSection:
     max_steps: int | None = None
@@ -166,7 +163,7 @@ class TrainSection:
     device: str = "auto"
     """"auto": a GPU when torch can use one, else the CPU; "cuda": a GPU, or stop with an error
     (a cluster run that silently trained on CPU in fp32 would waste its allocation)."""
-    precision: str = "auto"
+    precision: PrecisionSetting = "auto"
     """"auto" (bf16 on GPU, fp32 on CPU: pure bf16, whose val losses at paper depth matched
     bf16-autocast's and fp32's within the seed spread at half the weight memory;
     docs/benchmarks.md), "fp32", "bf16" (weights, activations and gradients in bf16, DeepSpeed's
@@ -435,18 +432,6 @@ def from_dict(raw: dict, origin: str = "checkpoint") -> RunConfig:
 # Checking: impossible values and combinations, before any work
 
 
-def resolved_precision(cfg: RunConfig, has_gpu: bool) -> str:
-    if cfg.train.precision == "auto":
-        return "bf16" if has_gpu else "fp32"
-    return cfg.train.precision
-
-
-def compute_precision(precision: str) -> str:
-    """The precision the matmuls of a run in `precision` run in (what picks the SDPA kernel and
-    the tensor-core peak): bf16 under bf16-autocast too."""
-    return "bf16" if precision == "bf16-autocast" else precision
-
-
 @dataclass(frozen=True)
 class BatchSplit:
     """How one optimizer step's global batch is split: global = micro x world x accumulation."""
@@ -496,10 +481,10 @@ def gpu_attention(cfg: RunConfig, config: Any = None) -> tuple[str, int, str] | 
     config = config or resolve(cfg.model.flavor, typed_model_overrides(cfg))
     if config.sdpa_head_dim is None:
         return None
-    precision = compute_precision(resolved_precision(cfg, has_gpu=True))
+    precision = resolve_precision(cfg.train.precision, has_gpu=True)
     capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else (9, 0)
-    kernel = sdpa_kernel(config.sdpa_head_dim, precision, capability, dropout=config.dropout > 0)
-    return kernel, config.sdpa_head_dim, precision
+    kernel = sdpa_kernel(config.sdpa_head_dim, precision.compute_dtype, capability, dropout=config.dropout > 0)
+    return kernel, config.sdpa_head_dim, precision.compute_name
 
 
 def describe_attention(cfg: RunConfig, on_gpu: bool) -> list[str]:
@@ -555,8 +540,8 @@ def validate(cfg: RunConfig, world_size: int, has_gpu: bool) -> None:
             "must be > 0 for the exponential schedule (it decays geometrically to it)")
 
     require(cfg.train.device in ("auto", "cuda"), "train.device", "must be 'auto' or 'cuda'")
-    require(cfg.train.precision in PRECISIONS, "train.precision",
-            "must be one of " + ", ".join(f"'{name}'" for name in PRECISIONS))
+    require(cfg.train.precision in PRECISION_SETTINGS, "train.precision",
+            "must be one of " + ", ".join(f"'{name}'" for name in PRECISION_SETTINGS))
     require(has_gpu or cfg.train.precision != "fp16", "train.precision",
             "fp16 needs a GPU (DeepSpeed refuses it on CPU); use fp32 or bf16")
     require(cfg.zero.stage in (0, 1, 2, 3), "zero.stage", "must be 0, 1, 2 or 3")
