@@ -1,7 +1,7 @@
 """Building blocks shared by the families: the config fields every family has (`LMConfig`, with
-the Llama-backbone families too) and their checks, autocast and checkpointing helpers; and for
-the learned-position families (GPT, GPT_Rec, NRGPT) their config fields, token + position
-embedding, the final-norm readout and the loss."""
+the Llama-backbone families too) and their checks, the float32 loss, autocast and checkpointing
+helpers; and for the learned-position families (GPT, GPT_Rec, NRGPT) their config fields, token +
+position embedding and the final-norm readout."""
 from __future__ import annotations
 
 import contextlib
@@ -43,6 +43,16 @@ def wide(t: torch.Tensor) -> torch.Tensor:
     """t in at least float32: a bf16 tensor upcast, a float32 or float64 one as it is (decided
     in Python: torch.promote_types would run an ATen op per call)."""
     return t.float() if t.dtype.itemsize < 4 else t
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Cross entropy of [B, T, V] logits against [B, T] targets in at least float32 (the softmax
+    over the vocabulary, also when the model runs in bf16); targets of -1 are ignored.
+    `reduction` is F.cross_entropy's: "mean" or "sum" over the other targets, or "none": [B, T]
+    per-token losses, 0 where ignored. Every family's training loss, and the per-token losses of
+    the probes and of `pretrain.dynamics` (through `ebt.token_losses`)."""
+    losses = F.cross_entropy(wide(logits).flatten(0, 1), targets.flatten(), ignore_index=-1, reduction=reduction)
+    return losses.view(targets.shape) if reduction == "none" else losses
 
 
 def autocast_dtype(device: torch.device) -> torch.dtype | None:
@@ -181,6 +191,5 @@ class LearnedPositionLM(LanguageModel):
         logits = self.lm_head(self.ln_f(x))
         loss = None
         if targets is not None:
-            # at least float32 for the softmax, also when the model runs in bf16
-            loss = F.cross_entropy(wide(logits).flatten(0, 1), targets.flatten(), ignore_index=-1)
+            loss = cross_entropy(logits, targets)
         return ModelOutput(loss=loss, logits=logits, diagnostics=diagnostics)

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pretrain.models.blocks import LMConfig, check_positive, dropout_module, maybe_checkpoint, wide
+from pretrain.models.blocks import LMConfig, check_positive, cross_entropy, dropout_module, maybe_checkpoint, wide
 from pretrain.models.common import DecodeCache, LanguageModel, ModelOutput
 from pretrain.models.registry import register_family, register_flavor
 
@@ -324,8 +324,7 @@ class TransformerPP(LanguageModel):
         logits = self.output(self.norm(x))
         loss = None
         if targets is not None:
-            # at least float32 for the softmax, also when the model runs in bf16
-            loss = F.cross_entropy(wide(logits).flatten(0, 1), targets.flatten(), ignore_index=-1)
+            loss = cross_entropy(logits, targets)
         return ModelOutput(loss=loss, logits=logits)
 
     def embedding_parameters(self) -> list[nn.Parameter]:
