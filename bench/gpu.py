@@ -261,8 +261,10 @@ def planned_memory(cfg, vocab_size: int) -> dict[str, int]:
     data pipeline, and so mosaicml-streaming, which the GPU machine lacks)."""
     from pretrain.config import model_config
     from pretrain.plan import memory_parts
+    from pretrain.precision import resolve_precision
 
-    parts = memory_parts(cfg, model_config(cfg, vocab_size), 1, cfg.data.micro_batch_size)
+    precision = resolve_precision(cfg.train.precision, has_gpu=True)
+    parts = memory_parts(cfg, model_config(cfg, vocab_size), precision, 1, cfg.data.micro_batch_size)
     return {**parts.as_dict(), "tensors": parts.tensors, "total": parts.total}
 
 
@@ -270,9 +272,10 @@ def measure_training(case: Case, settings: Settings, cap_s: float, result: dict)
     """Build the trainer's engine for the case's config and time `Trainer.train_step` on
     synthetic tokens, filling `result` as figures come (a case cut short keeps them)."""
     import torch
-    from pretrain.config import gpu_attention, resolved_precision
+    from pretrain.config import gpu_attention
     from pretrain.flops import achieved_tflops, mfu
     from pretrain.models.ebt import replay_store_bytes
+    from pretrain.precision import resolve_precision
     from pretrain.train import Trainer
 
     started = time.perf_counter()
@@ -283,7 +286,7 @@ def measure_training(case: Case, settings: Settings, cap_s: float, result: dict)
         predicted = gpu_attention(cfg)  # on this GPU; H100-class where there is none
         result.update(config=case.config, overrides=case.overrides, flavor=cfg.model.flavor,
                       compile=cfg.model.compile, micro_batch=micro_batch, seq_len=seq_len,
-                      precision=resolved_precision(cfg, on_gpu), attention={
+                      precision=resolve_precision(cfg.train.precision, on_gpu).name, attention={
                           "predicted": predicted and predicted[0], "head_dim": predicted and predicted[1]})
         if case.fill_replay_store:
             result["plan"] = planned_memory(cfg, settings.vocab_size)

@@ -40,9 +40,11 @@ from common.cli import ArgumentParser, run_command
 from data_pipeline.prepare import ensure_prepared
 from pretrain.config import load_config, model_config
 from pretrain.models import build
+from pretrain.precision import precisions
 
 REPO = Path(__file__).resolve().parent.parent
 PRECISIONS = ("fp32", "bf16", "bf16-autocast")
+"""The training precisions compared (fp16 would need a GPU)."""
 DATA = ["data.source=shakespeare", "data.tokenizer=char", "data.seq_len=64", "data.val_fraction=0.05",
         "data.micro_batch_size=4", "train.global_batch_size=4"]
 EBT_DEPTH = ["model.overrides.n_layer=12", "model.overrides.n_embd=64", "model.overrides.n_head=4"]
@@ -86,17 +88,16 @@ def loss_of(model, idx: torch.Tensor, targets: torch.Tensor, candidate: torch.Te
 
 
 def group_gradients(model, precision: str, batch, candidate, alpha_scale) -> dict[str, torch.Tensor]:
-    """Per group, the concatenated float64 gradients of one batch's loss in `precision` (the
-    weights of `model` being the master weights)."""
+    """Per group, the concatenated float64 gradients of one batch's loss in `precision` (a
+    training precision's name, or "fp64" for the reference; the weights of `model` being the
+    master weights)."""
     model = copy.deepcopy(model)
-    if precision == "fp64":
-        model.double()
-    elif precision == "bf16":
-        model.bfloat16()  # as DeepSpeed's bf16 mode casts the module
+    reference = precision == "fp64"
+    training = None if reference else precisions()[precision]
+    model.to(torch.float64 if reference else training.param_dtype)  # as DeepSpeed casts the module
     idx, targets = batch
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-autocast"):
-        wide_candidate = None if candidate is None else candidate.to(model.descent.energy_head.weight.dtype
-                                                                     if precision == "fp64" else torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not reference and training.autocast):
+        wide_candidate = None if candidate is None else candidate.to(torch.float64 if reference else torch.float32)
         loss = loss_of(model, idx, targets, wide_candidate, alpha_scale)
     loss.float().backward()
     grads: dict[str, list[torch.Tensor]] = {}

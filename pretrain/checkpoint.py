@@ -626,7 +626,7 @@ class CheckpointManager:
         self.cfg = cfg
         self.rank, self.world_size = rank, world_size
         self.precision = precision
-        """The run's `train.precision`, resolved (`config.resolved_precision`)."""
+        """The run's `train.precision`, resolved (`precision.resolve_precision`'s name)."""
         self.ckpt_dir = cfg.run_dir / "ckpt"
         self.resume_from: tuple[Path, Marker, bool] | None = None
         """The checkpoint `resume_point` chose, its marker and whether it loads through its

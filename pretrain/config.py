@@ -18,16 +18,17 @@ import time
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
+from pretrain.precision import PRECISION_SETTINGS, PrecisionSetting, resolve_precision
 from pretrain.typed import YAMLError, load_yaml, parse_override, read_typed
 
 RESUME_MODES = ("auto", "never", "restart")
+"""`resume` is one of these or a path to a run directory / checkpoint."""
 PREPARATION_KEYS = {"data.source", "data.tokenizer", "data.val_fraction"}
 """Overrides that ask for a dataset to be prepared from a source (see `load_config`)."""
-"""`resume` is one of these or a path to a run directory / checkpoint."""
 
 
 class ConfigError(ValueError):
@@ -136,9 +137,17 @@ class OptimizerSection:
     top of the model's own (`lr_multipliers()`, e.g. EBT's alpha). Each gets its own group."""
 
 
+ScheduleKind = Literal["cosine", "exponential", "constant"]
+SpikeSkipping = Literal["auto", "on", "off"]
+TrainingDevice = Literal["auto", "cuda"]
+ZeroStage = Literal[0, 1, 2, 3]
+"""The choices of `schedule.kind`, `train.skip_spikes`, `train.device` and `zero.stage`, which
+`validate` checks and names (`train.precision`'s are `precision.PrecisionSetting`)."""
+
+
 @dataclass
 class ScheduleSection:
-    kind: str = "cosine"
+    kind: ScheduleKind = "cosine"
     """"cosine" (to min_lr), "exponential" (geometric decay to min_lr, the NRGPT paper's) or
     "constant", each after a linear warmup."""
     warmup_steps: int = 0
@@ -147,10 +156,6 @@ class ScheduleSection:
     """Learning rate reached at the end of the decay (must be > 0 for "exponential")."""
     decay_steps: int | None = None
     """Step at which the decay reaches `min_lr` (held afterwards); None: the end of the budget."""
-
-
-PRECISIONS = ("auto", "fp32", "bf16", "bf16-autocast", "fp16")
-"""The values of `train.precision`."""
 
 
 @dataclass
@@ -163,10 +168,10 @@ class TrainSection:
     """Sequences per optimizer step over all processes. Fixed whatever the world size: the
     micro-batch and gradient accumulation adapt to it (see `batch_split`); it must be divisible
     by the number of processes."""
-    device: str = "auto"
+    device: TrainingDevice = "auto"
     """"auto": a GPU when torch can use one, else the CPU; "cuda": a GPU, or stop with an error
     (a cluster run that silently trained on CPU in fp32 would waste its allocation)."""
-    precision: str = "auto"
+    precision: PrecisionSetting = "auto"
     """"auto" (bf16 on GPU, fp32 on CPU: pure bf16, whose val losses at paper depth matched
     bf16-autocast's and fp32's within the seed spread at half the weight memory;
     docs/benchmarks.md), "fp32", "bf16" (weights, activations and gradients in bf16, DeepSpeed's
@@ -180,7 +185,7 @@ class TrainSection:
     reload the last good checkpoint."""
     max_reloads: int = 2
     """Checkpoint reloads allowed for non-finite updates before the run stops with an error."""
-    skip_spikes: str = "auto"
+    skip_spikes: SpikeSkipping = "auto"
     """Skip an update whose loss or gradient norm (before clipping) is a spike: more than
     `spike_sigmas` standard deviations above the mean of the last `spike_window` updates'.
     "auto": on for NRGPT (its training spikes at learning rates near the best), "on" or "off"."""
@@ -202,7 +207,7 @@ class TrainSection:
 
 @dataclass
 class ZeroSection:
-    stage: int = 2
+    stage: ZeroStage = 2
     """ZeRO stage: 0 (plain data parallel), 1 (optimizer states), 2 (+ gradients) or 3 (+ parameters)."""
     offload_optimizer: bool = False
     """Keep optimizer states in CPU memory and step there (DeepSpeedCPUAdam); stage >= 1."""
@@ -435,18 +440,6 @@ def from_dict(raw: dict, origin: str = "checkpoint") -> RunConfig:
 # Checking: impossible values and combinations, before any work
 
 
-def resolved_precision(cfg: RunConfig, has_gpu: bool) -> str:
-    if cfg.train.precision == "auto":
-        return "bf16" if has_gpu else "fp32"
-    return cfg.train.precision
-
-
-def compute_precision(precision: str) -> str:
-    """The precision the matmuls of a run in `precision` run in (what picks the SDPA kernel and
-    the tensor-core peak): bf16 under bf16-autocast too."""
-    return "bf16" if precision == "bf16-autocast" else precision
-
-
 @dataclass(frozen=True)
 class BatchSplit:
     """How one optimizer step's global batch is split: global = micro x world x accumulation."""
@@ -496,10 +489,10 @@ def gpu_attention(cfg: RunConfig, config: Any = None) -> tuple[str, int, str] | 
     config = config or resolve(cfg.model.flavor, typed_model_overrides(cfg))
     if config.sdpa_head_dim is None:
         return None
-    precision = compute_precision(resolved_precision(cfg, has_gpu=True))
+    precision = resolve_precision(cfg.train.precision, has_gpu=True)
     capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else (9, 0)
-    kernel = sdpa_kernel(config.sdpa_head_dim, precision, capability, dropout=config.dropout > 0)
-    return kernel, config.sdpa_head_dim, precision
+    kernel = sdpa_kernel(config.sdpa_head_dim, precision.compute_dtype, capability, dropout=config.dropout > 0)
+    return kernel, config.sdpa_head_dim, precision.compute_name
 
 
 def describe_attention(cfg: RunConfig, on_gpu: bool) -> list[str]:
@@ -517,8 +510,12 @@ def validate(cfg: RunConfig, world_size: int, has_gpu: bool) -> None:
         if not ok:
             raise ConfigError(f"{key}={get_key(cfg, key)!r}: {message}")
 
+    def require_choice(key: str, choices: Any):
+        *others, last = map(repr, typing.get_args(choices))  # a Literal's
+        require(get_key(cfg, key) in typing.get_args(choices), key, f"must be {', '.join(others)} or {last}")
+
     require(cfg.resume in RESUME_MODES or Path(cfg.resume).exists(), "resume",
-            "must be 'auto', 'never', 'restart' or an existing run directory or checkpoint")
+            f"must be {', '.join(map(repr, RESUME_MODES))} or an existing run directory or checkpoint")
     problem = run_name_problem(cfg.run_name)
     require(problem is None, "run_name", problem or "")
     require(bool(cfg.data.path), "data.path", "is required (a prepared dataset directory)")
@@ -535,7 +532,7 @@ def validate(cfg: RunConfig, world_size: int, has_gpu: bool) -> None:
     for key in ("train.max_steps", "train.max_tokens", "schedule.decay_steps", "train.peak_tflops"):
         require(get_key(cfg, key) is None or get_key(cfg, key) > 0, key, "must be > 0")
     require(cfg.train.max_consecutive_skips >= 1, "train.max_consecutive_skips", "must be >= 1")
-    require(cfg.train.skip_spikes in ("auto", "on", "off"), "train.skip_spikes", "must be 'auto', 'on' or 'off'")
+    require_choice("train.skip_spikes", SpikeSkipping)
     require(cfg.train.spike_window >= 2, "train.spike_window", "must be >= 2")
     require(cfg.train.spike_sigmas > 0, "train.spike_sigmas", "must be > 0")
     require(cfg.train.collective_timeout > 0, "train.collective_timeout", "must be > 0 (seconds)")
@@ -547,19 +544,18 @@ def validate(cfg: RunConfig, world_size: int, has_gpu: bool) -> None:
     require(all(m > 0 for m in cfg.optimizer.lr_multipliers.values()), "optimizer.lr_multipliers",
             "factors must be > 0")
     require(cfg.optimizer.decay in DECAY_SETS, "optimizer.decay", f"must be one of {', '.join(DECAY_SETS)}")
-    require(cfg.schedule.kind in ("cosine", "exponential", "constant"), "schedule.kind",
-            "must be 'cosine', 'exponential' or 'constant'")
+    require_choice("schedule.kind", ScheduleKind)
     require(cfg.schedule.min_lr <= cfg.optimizer.lr, "schedule.min_lr",
             f"must not exceed optimizer.lr={cfg.optimizer.lr}")
     require(cfg.schedule.kind != "exponential" or cfg.schedule.min_lr > 0, "schedule.min_lr",
             "must be > 0 for the exponential schedule (it decays geometrically to it)")
 
-    require(cfg.train.device in ("auto", "cuda"), "train.device", "must be 'auto' or 'cuda'")
-    require(cfg.train.precision in PRECISIONS, "train.precision",
-            "must be one of " + ", ".join(f"'{name}'" for name in PRECISIONS))
+    require_choice("train.device", TrainingDevice)
+    require(cfg.train.precision in PRECISION_SETTINGS, "train.precision",
+            "must be one of " + ", ".join(f"'{name}'" for name in PRECISION_SETTINGS))
     require(has_gpu or cfg.train.precision != "fp16", "train.precision",
             "fp16 needs a GPU (DeepSpeed refuses it on CPU); use fp32 or bf16")
-    require(cfg.zero.stage in (0, 1, 2, 3), "zero.stage", "must be 0, 1, 2 or 3")
+    require_choice("zero.stage", ZeroStage)
     require(cfg.zero.stage >= 1 or not cfg.zero.offload_optimizer, "zero.offload_optimizer",
             "needs zero.stage >= 1")
     batch_split(cfg, world_size)

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from pretrain.config import ConfigError, RunConfig, batch_split
+from pretrain.precision import Precision
 
 
 def distributed_env() -> tuple[int, int, int]:
@@ -141,8 +142,9 @@ def _slurm_tasks_on_this_node(env) -> int:
     return counts[node] if node < len(counts) else int(env["SLURM_NTASKS"])
 
 
-def deepspeed_config(cfg: RunConfig, world_size: int, precision: str) -> dict:
-    """DeepSpeed's JSON, generated from the run config (the only place it is written)."""
+def deepspeed_config(cfg: RunConfig, world_size: int, precision: Precision) -> dict:
+    """DeepSpeed's JSON, generated from the run config and its resolved precision (the only
+    place it is written)."""
     zero = cfg.zero
     zero_json = {
         "stage": zero.stage,
@@ -162,7 +164,8 @@ def deepspeed_config(cfg: RunConfig, world_size: int, precision: str) -> dict:
     split = batch_split(cfg, world_size)
     # bf16 under ZeRO-2: gradients accumulate over the micro-batches in fp32, not bf16 (whose 8-bit
     # mantissa drops a micro-batch's small contributions; docs/design.md, "ZeRO for 85-127M models")
-    data_types = {"grad_accum_dtype": "fp32"} if precision == "bf16" and zero.stage == 2 else {}
+    bf16 = precision.param_dtype == torch.bfloat16
+    data_types = {"grad_accum_dtype": "fp32"} if bf16 and zero.stage == 2 else {}
     return {
         "train_batch_size": cfg.train.global_batch_size,
         "train_micro_batch_size_per_gpu": split.micro_batch_size,
@@ -170,12 +173,12 @@ def deepspeed_config(cfg: RunConfig, world_size: int, precision: str) -> dict:
         # without ZeRO, optim.GuardedAdamW clips (DeepSpeed's clipping would precede its check)
         "gradient_clipping": cfg.optimizer.grad_clip if zero.stage > 0 else 0.0,
         "zero_optimization": zero_json,
-        "bf16": {"enabled": precision == "bf16", "check_grad_overflow": True},
-        "fp16": {"enabled": precision == "fp16"},
+        "bf16": {"enabled": bf16, "check_grad_overflow": True},
+        "fp16": {"enabled": precision.param_dtype == torch.float16},
         # bf16-autocast: fp32 weights, gradients and optimizer, the forward under torch.autocast
         # (the engine enters it around each forward). No module's gradients are declared safe to
         # reduce in bf16 (DeepSpeed's default would reduce every nn.Linear's in bf16).
-        "torch_autocast": {"enabled": precision == "bf16-autocast", "dtype": "bfloat16",
+        "torch_autocast": {"enabled": precision.autocast, "dtype": "bfloat16",
                            "lower_precision_safe_modules": []},
         "data_types": data_types,
         # the optimizer is torch's AdamW with our parameter groups (or CPU Adam when offloading)

@@ -6,6 +6,8 @@ checkpointing's recomputation not). This module holds the per-device peak table 
 arithmetic around it."""
 from __future__ import annotations
 
+from pretrain.precision import Precision
+
 PEAK_BF16_TFLOPS = {
     "GB200": 2500.0,
     "B200": 2250.0,
@@ -29,15 +31,12 @@ boards unless named), by a substring of the device name as torch reports it
 "NVIDIA A100-SXM4-80GB"). Longer keys are tried first, so "H100 PCIe" wins over "H100",
 "H200" over "H20" and "L40S" over "L40" over "L4"."""
 
-TENSOR_CORE_PRECISIONS = ("bf16", "fp16")
-"""Precisions whose matmuls run at the table's rate; an fp32 run has no MFU unless
-`train.peak_tflops` names the peak it should be measured against."""
 
-
-def peak_tflops(device_name: str | None, precision: str = "bf16") -> float | None:
+def peak_tflops(device_name: str | None, precision: Precision) -> float | None:
     """Peak dense TFLOP/s of the named device at `precision`; None for CPUs, unknown devices
-    and fp32."""
-    if not device_name or precision not in TENSOR_CORE_PRECISIONS:
+    and fp32 (its matmuls do not run at the table's rate: an fp32 run has no MFU unless
+    `train.peak_tflops` names the peak it should be measured against)."""
+    if not device_name or not precision.tensor_cores:
         return None
     for key in sorted(PEAK_BF16_TFLOPS, key=len, reverse=True):
         if key.lower() in device_name.lower():

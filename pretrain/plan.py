@@ -33,11 +33,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from common.cli import ArgumentParser, run_command
-from pretrain.config import (ConfigError, RunConfig, batch_split, compute_precision, describe_batch_split,
-                             load_config, model_config, resolved_precision, validate)
+from pretrain.config import (ConfigError, RunConfig, batch_split, describe_batch_split, load_config, model_config,
+                             validate)
 from pretrain.engine import deepspeed_config
 from pretrain.flops import peak_tflops
 from pretrain.models import FLAVORS, build, family_name
+from pretrain.precision import Precision, resolve_precision
 
 GIB = 2**30
 
@@ -65,12 +66,6 @@ RESERVED_BYTES = 3 * GIB // 2
 FRAGMENTATION = 0.10
 """Memory the caching allocator holds in blocks not in use at the peak, as a fraction of what the
 tensors need."""
-
-PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
-                    "bf16-autocast": torch.float32}
-"""The dtype activations are measured in. Under autocast (not available on the meta device) the
-matmuls' outputs are bf16 and the residual stream and norms fp32: measured as fp32, an upper bound."""
-
 
 @dataclass
 class Parts:
@@ -275,8 +270,9 @@ def measured_model_config(config: Any) -> Any:
 def activation_bytes(config: Any, micro_batch_size: int, seq_len: int, dtype: torch.dtype) -> int:
     """Peak bytes of the tensors one training micro-batch creates in its forward and backward,
     the parameters' gradients excepted (handed off as ZeRO does): the config's model built on
-    the meta device in `dtype` (the training precision, as DeepSpeed casts it), with the
-    config's activation checkpointing."""
+    the meta device in `dtype` (`Precision.param_dtype`, as DeepSpeed casts it), with the
+    config's activation checkpointing. Under autocast (which the meta device lacks) the matmuls'
+    outputs are bf16 and the residual stream and norms fp32: measured in fp32, an upper bound."""
     with torch.device("meta"):
         model = build(measured_model_config(config)).to(dtype).train()
     hand_off_gradients(model)
@@ -336,6 +332,7 @@ class Plan:
     gpus: int
     gpu: str
     precision: str
+    """The resolved `train.precision`'s name."""
     zero_stage: int
     flavor: str
     family: str
@@ -349,8 +346,10 @@ class Plan:
     flops_per_token: float
     parts: Parts
     gpu_memory_bytes: int
+    peak_tflops: float | None
+    """The GPU's dense peak at the run's precision; None without a tensor-core peak (fp32)."""
     step_time_s: tuple[float, float] | None
-    """(fast, slow) at the MFU_RANGE ends; None without a tensor-core peak (fp32)."""
+    """(fast, slow) at the MFU_RANGE ends; None without a tensor-core peak."""
     largest_micro_batch_that_fits: int | None
     """None when not looked for (the micro-batch was given: --micro-batch)."""
     per_process_batch: int
@@ -386,15 +385,14 @@ def dataset_vocabulary(cfg: RunConfig) -> tuple[int, str]:
     return FLAVORS[cfg.model.flavor].vocab_size, f"the flavor's own: no prepared dataset at {cfg.data.path}"
 
 
-def memory_parts(cfg: RunConfig, config: Any, gpus: int, micro_batch_size: int) -> Parts:
-    """What one GPU holds at the peak of a training step of `cfg` (its model config `config`)
-    on `gpus` GPUs at `micro_batch_size`, by part."""
-    precision = resolved_precision(cfg, has_gpu=True)
+def memory_parts(cfg: RunConfig, config: Any, precision: Precision, gpus: int, micro_batch_size: int) -> Parts:
+    """What one GPU holds at the peak of a training step of `cfg` (its model config `config`,
+    its precision resolved for a GPU `precision`) on `gpus` GPUs at `micro_batch_size`, by part."""
     with torch.device("meta"):
         model = build(config)
     ds_config = deepspeed_config(cfg, gpus, precision)
     states = model_state_bytes(model.num_params(), gathered_parameters(model), ds_config, gpus)
-    activations = activation_bytes(config, micro_batch_size, cfg.data.seq_len, PRECISION_DTYPES[precision])
+    activations = activation_bytes(config, micro_batch_size, cfg.data.seq_len, precision.param_dtype)
     return Parts(*states, activations, reduce_bucket_bytes(ds_config) + replay_bytes(config))
 
 
@@ -403,7 +401,7 @@ def make_plan(config_path: str, cfg: RunConfig, gpus: int, gpu: str, find_larges
     micro-batch that fits if `find_largest`. Raises ConfigError for a config the trainer would
     refuse at that GPU count."""
     validate(cfg, gpus, has_gpu=True)
-    precision = resolved_precision(cfg, has_gpu=True)
+    precision = resolve_precision(cfg.train.precision, has_gpu=True)
     vocab, vocab_source = dataset_vocabulary(cfg)
     config = model_config(cfg, vocab)
     with torch.device("meta"):
@@ -411,10 +409,10 @@ def make_plan(config_path: str, cfg: RunConfig, gpus: int, gpu: str, find_larges
     n_params = model.num_params()
     split = batch_split(cfg, gpus)
     seq_len = cfg.data.seq_len
-    parts = memory_parts(cfg, config, gpus, split.micro_batch_size)
+    parts = memory_parts(cfg, config, precision, gpus, split.micro_batch_size)
 
     def activations(b: int) -> int:
-        return activation_bytes(config, b, seq_len, PRECISION_DTYPES[precision])
+        return activation_bytes(config, b, seq_len, precision.param_dtype)
 
     measured = {split.micro_batch_size: parts.activations}
     capacity = GPUS[gpu].memory_bytes
@@ -426,18 +424,18 @@ def make_plan(config_path: str, cfg: RunConfig, gpus: int, gpu: str, find_larges
         budget = math.floor((capacity - RESERVED_BYTES) / (1 + FRAGMENTATION)) - static
         largest = largest_fitting(activations, budget, per_process, measured)
     flops_per_token = model.flops_per_token(seq_len, training=True)
-    peak = peak_tflops(GPUS[gpu].name, compute_precision(precision))
+    peak = peak_tflops(GPUS[gpu].name, precision)
     step_time = None
     if peak is not None:
         seconds = flops_per_token * cfg.tokens_per_step / (gpus * peak * 1e12)
         step_time = tuple(seconds / mfu for mfu in MFU_RANGE)
-    return Plan(config_path=config_path, gpus=gpus, gpu=gpu, precision=precision, zero_stage=cfg.zero.stage,
+    return Plan(config_path=config_path, gpus=gpus, gpu=gpu, precision=precision.name, zero_stage=cfg.zero.stage,
                 flavor=cfg.model.flavor, family=family_name(config),
                 activation_checkpointing=config.activation_checkpointing, vocab_size=config.vocab_size,
                 vocab_source=vocab_source, n_params=n_params, micro_batch_size=split.micro_batch_size,
                 accumulation_steps=split.accumulation_steps, tokens_per_step=cfg.tokens_per_step,
-                flops_per_token=flops_per_token, parts=parts, gpu_memory_bytes=capacity, step_time_s=step_time,
-                largest_micro_batch_that_fits=largest, per_process_batch=per_process)
+                flops_per_token=flops_per_token, parts=parts, gpu_memory_bytes=capacity, peak_tflops=peak,
+                step_time_s=step_time, largest_micro_batch_that_fits=largest, per_process_batch=per_process)
 
 
 def describe(plan: Plan, cfg: RunConfig) -> str:
@@ -485,7 +483,7 @@ def describe(plan: Plan, cfg: RunConfig) -> str:
         scale, unit = duration_unit(fast)
         lines.append(f"step time: {fast * scale:.3g}-{slow * scale:.3g} {unit} at "
                      f"{MFU_RANGE[0]:.0%}-{MFU_RANGE[1]:.0%} of "
-                     f"{peak_tflops(GPUS[plan.gpu].name, compute_precision(plan.precision)):g} TFLOP/s per GPU")
+                     f"{plan.peak_tflops:g} TFLOP/s per GPU")
     return "\n".join(lines)
 
 

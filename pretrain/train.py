@@ -34,8 +34,8 @@ import yaml
 from common.cli import EXIT_DIR_VARIABLE, ArgumentParser, write_exit_file
 from common.fileio import atomic_write_text, write_failure_reason
 from pretrain.checkpoint import CheckpointError, CheckpointManager, ResumeState, data_identity
-from pretrain.config import (ConfigError, RunConfig, batch_split, compute_precision, describe_attention,
-                             describe_batch_split, load_config, model_config, resolved_precision, to_dict, validate)
+from pretrain.config import (ConfigError, RunConfig, batch_split, describe_attention, describe_batch_split,
+                             load_config, model_config, to_dict, validate)
 from pretrain.engine import (configure_device_math, deepspeed_config, distributed_env, initialize,
                              lost_peer_line, seed_process, time_out_every_group, training_device,
                              use_current_collectives)
@@ -45,6 +45,7 @@ from pretrain.flops import peak_tflops
 from pretrain.metrics import Metrics, StepResult, Throughput, diagnostic_scalars
 from pretrain.models import build, family_name
 from pretrain.optim import SpikeGuard, build_optimizer, lr_factor, param_groups, set_lr
+from pretrain.precision import resolve_precision
 from pretrain.preflight import check_dataset, evaluates, preflight
 from pretrain.stopping import (EXIT_PREEMPTED, Aborted, StopSignals, StoppedInSetup, ignore_stop_signals,
                                stopped_line)
@@ -67,11 +68,11 @@ class Trainer:
         self.on_gpu = self.device.type == "cuda"
         if self.on_gpu:
             torch.cuda.set_device(self.device)
-        self.precision = resolved_precision(cfg, self.on_gpu)
+        self.precision = resolve_precision(cfg.train.precision, self.on_gpu)
         self.split = batch_split(cfg, self.world_size)
         self.total_steps = cfg.total_steps
         self.run_dir = cfg.run_dir
-        self.checkpoints = CheckpointManager(cfg, self.rank, self.world_size, self.precision)
+        self.checkpoints = CheckpointManager(cfg, self.rank, self.world_size, self.precision.name)
         self.state = TrainState()
         self.downstream: dict[str, float] = {}
         """The latest downstream scalars (eval.downstream), for summary.json."""
@@ -116,7 +117,7 @@ class Trainer:
         self.metrics.print(
             f"{cfg.run_name}: {cfg.model.flavor} ({self.params / 1e6:.2f}M params, "
             f"{self.non_embedding_params / 1e6:.2f}M non-embedding), {self.world_size} process(es), "
-            f"ZeRO-{cfg.zero.stage}, {self.precision}, {data.seq_len} tokens per sequence, "
+            f"ZeRO-{cfg.zero.stage}, {self.precision.name}, {data.seq_len} tokens per sequence, "
             f"{'resuming at step ' + str(self.state.step) if self.state.step else 'fresh start'}")
         for line in (describe_batch_split(cfg, self.world_size), *describe_attention(cfg, self.on_gpu),
                      *self.resume_notes):
@@ -167,7 +168,7 @@ class Trainer:
         self.spikes = SpikeGuard.for_run(cfg.train, family_name(self.model_config))
         self.spikes.install(self.engine)
         device_name = torch.cuda.get_device_name(self.device) if self.on_gpu else None
-        peak = cfg.train.peak_tflops or peak_tflops(device_name, compute_precision(self.precision))
+        peak = cfg.train.peak_tflops or peak_tflops(device_name, self.precision)
         self.throughput = Throughput(self.flops_per_token, self.world_size, peak, self.on_gpu)
 
     # --- checkpoints ----------------------------------------------------------------------
@@ -303,8 +304,8 @@ class Trainer:
         # check, or optim.GuardedAdamW without ZeRO) and says so through was_step_applied
         applied = engine.was_step_applied()
         grad_norm = engine.get_global_grad_norm() if applied else None
-        # fp16 loss scaling skips overflowing steps by design; those are not faults
-        skipped_by_fault = nonfinite_total > 0 or (not applied and self.precision != "fp16")
+        # loss scaling skips overflowing steps by design; those are not faults
+        skipped_by_fault = nonfinite_total > 0 or (not applied and not self.precision.loss_scaling)
         result = StepResult(loss=mean_loss, nonfinite=skipped_by_fault, spike=self.spikes.settle(), lr=lr, lrs=lrs,
                             time_s=time.perf_counter() - start, data_wait_s=data_wait, tokens=cfg.tokens_per_step,
                             grad_norm=None if grad_norm is None else float(grad_norm), diagnostics=diagnostics,
@@ -368,7 +369,7 @@ class Trainer:
             best_val_loss=state.best_val_loss, final_val_loss=state.last_val_loss,
             wall_time_s=self._wall_time(), hardware=hardware, world_size=self.world_size,
             steps=state.step,
-            extra={"flops_per_token": self.flops_per_token, "precision": self.precision,
+            extra={"flops_per_token": self.flops_per_token, "precision": self.precision.name,
                    "zero_stage": cfg.zero.stage, "global_batch_size": cfg.train.global_batch_size,
                    "seq_len": cfg.data.seq_len, "skipped_steps": state.skipped_steps, "spike_skips": state.spike_skips,
                    "reloads": state.reloads, "think_losses": state.think_losses, "dynamics": state.dynamics,
@@ -419,8 +420,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.check:
             # checked as this node's first rank: only rank 0 asks whether a trainer holds the run
             first_rank = 0 if args.node_rank == 0 else 1
-            preflight(cfg, CheckpointManager(cfg, rank=first_rank, world_size=world_size,
-                                             precision=resolved_precision(cfg, on_gpu)), checking_only=True)
+            precision = resolve_precision(cfg.train.precision, on_gpu)
+            preflight(cfg, CheckpointManager(cfg, rank=first_rank, world_size=world_size, precision=precision.name),
+                      checking_only=True)
             ready = f"{args.config}: ready for {world_size} process(es): {describe_batch_split(cfg, world_size)}"
             print("\n".join([ready, *describe_attention(cfg, on_gpu)]))
         code = 0 if args.check else run(cfg)

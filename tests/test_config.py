@@ -16,6 +16,7 @@ from pretrain.config import (ConfigError, OptimizerSection, ScheduleSection, fro
                              load_config, model_config, to_dict, validate)
 from pretrain.engine import deepspeed_config
 from pretrain.models import build, resolve
+from pretrain.precision import precisions
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_CONFIGS = sorted((REPO / "configs" / "tiny").glob("*.yaml"))
@@ -215,7 +216,7 @@ def test_deepspeed_json_follows_the_config(minimal):
     cfg = load_config(minimal, ["train.global_batch_size=32", "zero.stage=3",
                                 "zero.reduce_bucket_size=1000", "optimizer.grad_clip=0.5"])
     for world_size, accumulation in ((1, 8), (2, 4), (8, 1)):
-        ds = deepspeed_config(cfg, world_size, "fp32")
+        ds = deepspeed_config(cfg, world_size, precisions()["fp32"])
         assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"],
                 ds["gradient_accumulation_steps"]) == (32, 4, accumulation)
         assert ds["train_batch_size"] == 4 * accumulation * world_size
@@ -224,10 +225,10 @@ def test_deepspeed_json_follows_the_config(minimal):
     assert "allgather_bucket_size" not in ds["zero_optimization"]
     assert ds["gradient_clipping"] == 0.5
     assert not ds["bf16"]["enabled"] and not ds["fp16"]["enabled"]
-    assert deepspeed_config(cfg, 1, "bf16")["bf16"]["enabled"]
+    assert deepspeed_config(cfg, 1, precisions()["bf16"])["bf16"]["enabled"]
     # without ZeRO the guarded AdamW clips (after its non-finite check), not DeepSpeed
-    assert deepspeed_config(load_config(minimal, ["zero.stage=0"]), 1, "fp32")["gradient_clipping"] == 0
-    offload = deepspeed_config(load_config(minimal, ["zero.offload_optimizer=true"]), 1, "fp32")
+    assert deepspeed_config(load_config(minimal, ["zero.stage=0"]), 1, precisions()["fp32"])["gradient_clipping"] == 0
+    offload = deepspeed_config(load_config(minimal, ["zero.offload_optimizer=true"]), 1, precisions()["fp32"])
     assert offload["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
 
 

@@ -18,6 +18,7 @@ from pretrain.config import ConfigError, RunConfig, validate
 from pretrain.engine import configure_device_math
 from pretrain.flops import mfu, peak_tflops
 from pretrain.models import build, resolve
+from pretrain.precision import precisions
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -29,12 +30,12 @@ REPO = Path(__file__).resolve().parent.parent
     ("NVIDIA L40S", 362.0), ("NVIDIA L40", 181.0), ("NVIDIA L4", 121.0), ("NVIDIA B200", 2250.0),
     ("NVIDIA GB200", 2500.0), ("Tesla T4", None), (None, None)])
 def test_peak_table_matches_the_names_torch_reports(name, peak):
-    assert peak_tflops(name) == peak
-    assert peak_tflops(name, "fp16") == peak
+    assert peak_tflops(name, precisions()["bf16"]) == peak
+    assert peak_tflops(name, precisions()["fp16"]) == peak
 
 
 def test_mfu_is_model_flops_over_the_peak_and_fp32_has_none():
-    assert peak_tflops("NVIDIA H200", "fp32") is None
+    assert peak_tflops("NVIDIA H200", precisions()["fp32"]) is None
     # GPT-124M's 45% target: 989e12 * 0.45 FLOP/s at ~0.87 GFLOP per token
     assert mfu(0.87e9, 989e12 * 0.45 / 0.87e9, world_size=1, peak=989.0) == pytest.approx(0.45)
     assert mfu(1e9, 2e5, world_size=2, peak=100.0) == pytest.approx(1.0)

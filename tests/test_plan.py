@@ -9,12 +9,13 @@ import pytest
 import torch
 
 from bench.memory import peak_allocated_bytes
-from pretrain.config import load_config, resolved_precision
+from pretrain.config import load_config
 from pretrain.engine import deepspeed_config
 from pretrain.models import build, resolve
 from pretrain.models.ebt_attention import default_chunks
 from pretrain.plan import (GIB, activation_bytes, gathered_parameters, hand_off_gradients, largest_fitting,
                            main, make_plan, micro_batch_pass, model_state_bytes)
+from pretrain.precision import precisions, resolve_precision
 
 MICRO_BATCH = 4
 
@@ -89,7 +90,7 @@ def test_model_states_are_deepspeeds_estimates():
 
     def states(precision: str, stage: int, offload: bool = False) -> int:
         run = dataclasses.replace(cfg, zero=dataclasses.replace(cfg.zero, stage=stage, offload_optimizer=offload))
-        return sum(model_state_bytes(n, gathered, deepspeed_config(run, gpus, precision), gpus))
+        return sum(model_state_bytes(n, gathered, deepspeed_config(run, gpus, precisions()[precision]), gpus))
 
     rounding = 3  # bytes: each part is rounded on its own
     for offload in (False, True):
@@ -137,7 +138,7 @@ def test_every_openwebtext_config_fits_an_80gb_gpu_at_8_gpus():
         plan = make_plan(path, cfg, gpus=8, gpu="h100-80gb", find_largest=False)
         print(f"\n{path}: {plan.parts.total / GIB:.1f} GiB at micro-batch {plan.micro_batch_size}")
         assert plan.fits and plan.parts.activations > 0, path
-        assert resolved_precision(cfg, has_gpu=True) == plan.precision == "bf16"
+        assert resolve_precision(cfg.train.precision, has_gpu=True).name == plan.precision == "bf16"
 
 
 def run_main(capsys, *argv):

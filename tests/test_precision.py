@@ -12,7 +12,7 @@ import torch
 import yaml
 
 from numerics import assert_rounding_close
-from pretrain.config import ConfigError, load_config, resolved_precision, validate
+from pretrain.config import ConfigError, load_config, validate
 from pretrain.engine import deepspeed_config
 from pretrain.models import build, resolve
 from pretrain.models.common import KVSlot
@@ -20,6 +20,7 @@ from pretrain.models.descent_plumbing import StepSettings
 from pretrain.models.ebt_attention import TwoStreamAttention
 from pretrain.models.nrgpt import EnergyAttention, GeluAndSlope, NRGPTConfig
 from pretrain.plan import make_plan, model_state_bytes
+from pretrain.precision import precisions, resolve_precision
 
 BF16_EPS = torch.finfo(torch.bfloat16).eps
 
@@ -177,17 +178,17 @@ def test_bf16_autocast_deepspeed_config_and_plan(tmp_path):
                                     "train": {"max_steps": 10, "global_batch_size": 8}}))
     cfg = load_config(path, ["train.precision=bf16-autocast"])
     validate(cfg, world_size=1, has_gpu=False)
-    assert resolved_precision(cfg, has_gpu=False) == "bf16-autocast"
-    ds = deepspeed_config(cfg, 1, "bf16-autocast")
+    assert resolve_precision(cfg.train.precision, has_gpu=False).name == "bf16-autocast"
+    ds = deepspeed_config(cfg, 1, precisions()["bf16-autocast"])
     assert ds["torch_autocast"] == {"enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules": []}
     assert not ds["bf16"]["enabled"] and not ds["fp16"]["enabled"] and ds["data_types"] == {}
-    assert not deepspeed_config(cfg, 1, "bf16")["torch_autocast"]["enabled"]
+    assert not deepspeed_config(cfg, 1, precisions()["bf16"])["torch_autocast"]["enabled"]
     n = 1_000_000
     for stage in (1, 2, 3):
         cfg.zero.stage = stage
-        autocast = model_state_bytes(n, 0, deepspeed_config(cfg, 8, "bf16-autocast"), 8)
-        assert autocast == model_state_bytes(n, 0, deepspeed_config(cfg, 8, "fp32"), 8)
-        assert sum(autocast) > sum(model_state_bytes(n, 0, deepspeed_config(cfg, 8, "bf16"), 8))
+        autocast = model_state_bytes(n, 0, deepspeed_config(cfg, 8, precisions()["bf16-autocast"]), 8)
+        assert autocast == model_state_bytes(n, 0, deepspeed_config(cfg, 8, precisions()["fp32"]), 8)
+        assert sum(autocast) > sum(model_state_bytes(n, 0, deepspeed_config(cfg, 8, precisions()["bf16"]), 8))
     with pytest.raises(ConfigError, match="'bf16-autocast'"):
         validate(load_config(path, ["train.precision=bf16-amp"]), world_size=1, has_gpu=False)
 

@@ -3,11 +3,13 @@ and the trainer's check built on it (no GPU needed: that is the point)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pretrain.config import ConfigError, RunConfig, describe_attention, from_dict, validate
 from pretrain.models import resolve
 from pretrain.models.registry import FLAVORS
 from pretrain.models.sdpa import sdpa_kernel
+from pretrain.precision import precisions
 
 H100, A100, RTX4090, V100 = (9, 0), (8, 0), (8, 9), (7, 0)
 
@@ -32,14 +34,14 @@ H100, A100, RTX4090, V100 = (9, 0), (8, 0), (8, 9), (7, 0)
     (1020, "fp16", V100, True, False, "math"),
 ])
 def test_kernel_follows_torchs_rules(head_dim, precision, capability, training, dropout, kernel):
-    assert sdpa_kernel(head_dim, precision, capability, training, dropout) == kernel
+    assert sdpa_kernel(head_dim, precisions()[precision].compute_dtype, capability, training, dropout) == kernel
 
 
 @pytest.mark.parametrize("flavor", sorted(FLAVORS))
 def test_every_flavor_takes_a_fused_kernel_on_gpus_in_bf16(flavor):
     config = resolve(flavor)  # EBT: its observed stream (the predicted one is written out)
     for capability in (A100, H100):
-        assert sdpa_kernel(config.sdpa_head_dim, "bf16", capability) in ("flash", "efficient"), capability
+        assert sdpa_kernel(config.sdpa_head_dim, torch.bfloat16, capability) in ("flash", "efficient"), capability
 
 
 def test_models_that_skip_sdpa_say_so():

@@ -1,5 +1,7 @@
-"""Building blocks shared by the learned-position families (GPT, GPT_Rec, NRGPT): the common
-config fields, token + position embedding, the final-norm readout and the loss."""
+"""Building blocks shared by the families: the config fields every family has (`LMConfig`, with
+the Llama-backbone families too) and their checks, the float32 loss, autocast and checkpointing
+helpers; and for the learned-position families (GPT, GPT_Rec, NRGPT) their config fields, token +
+position embedding and the final-norm readout."""
 from __future__ import annotations
 
 import contextlib
@@ -43,6 +45,16 @@ def wide(t: torch.Tensor) -> torch.Tensor:
     return t.float() if t.dtype.itemsize < 4 else t
 
 
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Cross entropy of [B, T, V] logits against [B, T] targets in at least float32 (the softmax
+    over the vocabulary, also when the model runs in bf16); targets of -1 are ignored.
+    `reduction` is F.cross_entropy's: "mean" or "sum" over the other targets, or "none": [B, T]
+    per-token losses, 0 where ignored. Every family's training loss, and the per-token losses of
+    the probes and of `pretrain.dynamics` (through `ebt.token_losses`)."""
+    losses = F.cross_entropy(wide(logits).flatten(0, 1), targets.flatten(), ignore_index=-1, reduction=reduction)
+    return losses.view(targets.shape) if reduction == "none" else losses
+
+
 def autocast_dtype(device: torch.device) -> torch.dtype | None:
     """The dtype torch.autocast runs matmuls in on `device` (train.precision=bf16-autocast), or
     None outside autocast (the meta device, which `pretrain.plan` runs on, has none)."""
@@ -67,26 +79,27 @@ def maybe_checkpoint(enabled: bool, fn: Callable, *args):
 
 @dataclass
 class LMConfig:
-    """Fields shared by the families with learned absolute positions and an LM head."""
+    """Fields every family has (the learned-position ones and the Llama backbone's)."""
 
     vocab_size: int = 50304
     """Vocabulary size (the trainer sets it from the data manifest, padded to a multiple of 64)."""
     block_size: int = 1024
-    """Context length: the number of learned positions."""
+    """Context length: the longest sequence the model accepts (the number of learned positions
+    where positions are learned)."""
     n_embd: int = 768
     """Model width D."""
     n_head: int = 12
     """Number of attention heads."""
-    tie_embeddings: bool = True
-    """Share the LM head's weight with the token embedding."""
-    head_bias: bool = False
-    """Give the LM head a bias (the released NRGPT code's untied head has one)."""
     dropout: float = 0.0
-    """Dropout probability (embeddings, and where the family has them, attention and residuals)."""
+    """Dropout probability; where it applies is the family's (GPT: the embeddings, attention
+    and residual branches; NRGPT: `dropout_placement`; the Llama backbone: the attention and MLP
+    outputs)."""
     activation_checkpointing: str = "off"
-    """"off", "step" (each recurrent step) or "block" (each block); recomputed in backward."""
+    """"off", "step" (each recurrent or descent step) or "block" (each transformer block),
+    recomputed in backward (non-reentrant); a family without steps treats "step" as "block"."""
     init_std: float = 0.02
-    """Standard deviation of the normal initialisation of linear and embedding weights."""
+    """Standard deviation of the normal initialisation of linear and embedding weights (residual
+    output projections get init_std / sqrt(2 depth))."""
 
     @property
     def sdpa_head_dim(self) -> int | None:
@@ -99,6 +112,19 @@ class LMConfig:
         check_choice(self, "activation_checkpointing", CHECKPOINTING_MODES)
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"{type(self).__name__}.dropout must be in [0, 1), got {self.dropout!r}")
+
+
+@dataclass
+class LearnedPositionConfig(LMConfig):
+    """Fields shared by the families with learned absolute positions and an LM head."""
+
+    tie_embeddings: bool = True
+    """Share the LM head's weight with the token embedding."""
+    head_bias: bool = False
+    """Give the LM head a bias (the released NRGPT code's untied head has one)."""
+
+    def __post_init__(self):
+        super().__post_init__()
         if self.tie_embeddings and self.head_bias:
             raise ValueError(f"{type(self).__name__}.head_bias needs tie_embeddings=False")
 
@@ -109,7 +135,7 @@ class LearnedPositionLM(LanguageModel):
     Subclasses build their trunk, call `init_weights()` and implement `trunk` and
     `flops_per_token`."""
 
-    def __init__(self, config: LMConfig, final_norm_bias: bool = True):
+    def __init__(self, config: LearnedPositionConfig, final_norm_bias: bool = True):
         super().__init__()
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
@@ -165,6 +191,5 @@ class LearnedPositionLM(LanguageModel):
         logits = self.lm_head(self.ln_f(x))
         loss = None
         if targets is not None:
-            # at least float32 for the softmax, also when the model runs in bf16
-            loss = F.cross_entropy(wide(logits).flatten(0, 1), targets.flatten(), ignore_index=-1)
+            loss = cross_entropy(logits, targets)
         return ModelOutput(loss=loss, logits=logits, diagnostics=diagnostics)

@@ -39,7 +39,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pretrain.models.blocks import check_choice, check_positive, maybe_checkpoint, no_autocast, wide
+from pretrain.models.blocks import check_choice, check_positive, cross_entropy, maybe_checkpoint, no_autocast, wide
 from pretrain.models.common import DecodeCache, LanguageModel, ModelOutput
 from pretrain.models.descent_plumbing import CheckpointedStep, StepSettings, seeded_rng
 from pretrain.models.ebt_attention import two_stream_attention
@@ -201,8 +201,7 @@ def energy_settled(before: torch.Tensor, after: torch.Tensor, tolerance: float) 
 
 def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Per-token cross entropy [B, R] in at least float32; ignored targets (-1) give 0."""
-    return F.cross_entropy(wide(logits).flatten(0, 1), targets.flatten(), ignore_index=-1,
-                           reduction="none").view(targets.shape)
+    return cross_entropy(logits, targets, reduction="none")
 
 
 class DescentResult(NamedTuple):

@@ -9,8 +9,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pretrain.models.blocks import (LearnedPositionLM, LMConfig, check_choice, check_positive, dropout_module,
-                                    maybe_checkpoint)
+from pretrain.models.blocks import (LearnedPositionConfig, LearnedPositionLM, check_choice, check_positive,
+                                    dropout_module, maybe_checkpoint)
 from pretrain.models.common import KVSlot
 from pretrain.models.registry import register_family, register_flavor
 
@@ -18,7 +18,7 @@ ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU}
 
 
 @dataclass
-class GPTConfig(LMConfig):
+class GPTConfig(LearnedPositionConfig):
     """GPT-2: `n_layer` pre-LayerNorm blocks, tied LM head by default."""
 
     n_layer: int = 12

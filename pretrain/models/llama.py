@@ -14,8 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pretrain.models.blocks import (CHECKPOINTING_MODES, check_choice, check_positive, dropout_module,
-                                    maybe_checkpoint, wide)
+from pretrain.models.blocks import LMConfig, check_positive, cross_entropy, dropout_module, maybe_checkpoint, wide
 from pretrain.models.common import DecodeCache, LanguageModel, ModelOutput
 from pretrain.models.registry import register_family, register_flavor
 
@@ -25,19 +24,12 @@ Rope = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass
-class LlamaConfig:
-    """Backbone fields shared by Transformer++ and EBT."""
+class LlamaConfig(LMConfig):
+    """Backbone fields shared by Transformer++ and EBT. Their `activation_checkpointing` "step"
+    is EBT's descent step; Transformer++ has no steps and treats it as "block"."""
 
-    vocab_size: int = 50304
-    """Vocabulary size (the trainer sets it from the data manifest, padded to a multiple of 64)."""
-    block_size: int = 1024
-    """Context length: the longest sequence the model accepts."""
     n_layer: int = 12
     """Number of transformer blocks."""
-    n_head: int = 12
-    """Number of attention heads."""
-    n_embd: int = 768
-    """Model width D."""
     mlp_ratio: float = 1.0
     """SwiGLU hidden width as a multiple of D. The released EBT code uses 1 (hidden = D) for EBT
     and for its Transformer++ baseline, which gives the paper's ~126M at 12L/768; Llama uses 8/3."""
@@ -45,21 +37,10 @@ class LlamaConfig:
     """Base of the rotary position frequencies."""
     norm_eps: float = 1e-5
     """Epsilon of RMSNorm."""
-    dropout: float = 0.0
-    """Dropout probability on the attention and MLP outputs (residual branches)."""
-    activation_checkpointing: str = "off"
-    """"off", "block" (recompute each transformer block in backward) or "step" (EBT: each
-    descent step; Transformer++ has no steps and treats it as "block"). Non-reentrant."""
-    init_std: float = 0.02
-    """Standard deviation of the normal initialisation of linear and embedding weights; the
-    residual output projections get init_std / sqrt(2 n_layer)."""
 
     def __post_init__(self):
-        check_positive(self, "vocab_size", "block_size", "n_layer", "n_head", "n_embd", "mlp_ratio",
-                       "rope_theta", "norm_eps", "init_std")
-        check_choice(self, "activation_checkpointing", CHECKPOINTING_MODES)
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"{type(self).__name__}.dropout must be in [0, 1), got {self.dropout!r}")
+        super().__post_init__()
+        check_positive(self, "n_layer", "mlp_ratio", "rope_theta", "norm_eps")
         if self.n_embd % self.n_head or (self.n_embd // self.n_head) % 2:
             raise ValueError(f"{type(self).__name__}.n_head={self.n_head} must divide n_embd="
                              f"{self.n_embd} into an even head size (rotary pairs)")
@@ -343,8 +324,7 @@ class TransformerPP(LanguageModel):
         logits = self.output(self.norm(x))
         loss = None
         if targets is not None:
-            # at least float32 for the softmax, also when the model runs in bf16
-            loss = F.cross_entropy(wide(logits).flatten(0, 1), targets.flatten(), ignore_index=-1)
+            loss = cross_entropy(logits, targets)
         return ModelOutput(loss=loss, logits=logits)
 
     def embedding_parameters(self) -> list[nn.Parameter]:

@@ -18,14 +18,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pretrain.models.blocks import (LearnedPositionLM, LMConfig, check_choice, check_positive, maybe_checkpoint,
-                                    no_autocast, wide)
+from pretrain.models.blocks import (LearnedPositionConfig, LearnedPositionLM, check_choice, check_positive,
+                                    maybe_checkpoint, no_autocast, wide)
 from pretrain.models.common import DecodeCache, KVSlot
 from pretrain.models.registry import register_family, register_flavor
 
 
 @dataclass
-class NRGPTConfig(LMConfig):
+class NRGPTConfig(LearnedPositionConfig):
     """NRGPT; the defaults are the released OpenWebText model NRGPT_H_FF2W (90.5M at D=768)."""
 
     tie_embeddings: bool = False

@@ -10,25 +10,26 @@ sm90/sm100 with a recent cuDNN, takes a subset of the shapes flash takes (head d
 256 that are multiples of 8), so "flash" stands for either."""
 from __future__ import annotations
 
+import torch
+
 KERNELS = ("flash", "efficient", "math")
 """Torch's default order: flash attention, the memory-efficient (CUTLASS) kernel, the math one."""
 
-HALF = ("bf16", "fp16")
 
-
-def sdpa_kernel(head_dim: int, precision: str, capability: tuple[int, int] = (9, 0),
+def sdpa_kernel(head_dim: int, dtype: torch.dtype, capability: tuple[int, int] = (9, 0),
                 training: bool = True, dropout: bool = False) -> str:
-    """The kernel torch picks for attention of `head_dim` in `precision` ("bf16", "fp16" or
-    "fp32") on a GPU of compute `capability` (H100/H200: (9, 0), A100: (8, 0)), for a step that
-    needs gradients (`training`) and applies attention dropout (`dropout`)."""
-    half = precision in HALF
+    """The kernel torch picks for attention of `head_dim` on queries, keys and values of `dtype`
+    (bf16, fp16 or fp32: a run's `Precision.compute_dtype`) on a GPU of compute `capability`
+    (H100/H200: (9, 0), A100: (8, 0)), for a step that needs gradients (`training`) and applies
+    attention dropout (`dropout`)."""
+    half = dtype.itemsize == 2
     if half and (8, 0) <= capability <= (12, 1) and head_dim <= 256:
         # consumer Ampere/Ada/Blackwell: flash's backward lacks head dims in (192, 224], and with
         # dropout those in (224, 256]
         small_smem = (8, 6) <= capability <= (8, 9) or (12, 0) <= capability <= (12, 1)
         if not (training and small_smem and not (head_dim <= 192 or (head_dim > 224 and not dropout))):
             return "flash"
-    if capability < (5, 0) or (precision == "bf16" and capability < (8, 0)):
+    if capability < (5, 0) or (dtype == torch.bfloat16 and capability < (8, 0)):
         return "math"
     # the memory-efficient kernel's GEMMs need the head dim aligned to 128 bits where tensor
     # cores run them (Ampere on; Volta for half precision), to 4 elements from Ampere on

@@ -17,11 +17,11 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
-import torch.nn.functional as F
 
 from common.fileio import markdown_table
 from data_pipeline.listops import listops_test_examples
 from data_pipeline.loader import read_manifest
+from pretrain.models.blocks import cross_entropy
 from pretrain.scaling.experiments.common import (train_and_evaluate,
                                                  trained_model, write_results)
 from pretrain.scaling.plots import pyplot
@@ -69,8 +69,7 @@ def teacher_forced(model, examples: list[tuple[list[int], list[int]]], eos_id: i
             logits = model(seqs[:, :-1]).logits[:, prompt_len:]
             targets = seqs[:, prompt_len + 1:]
             correct += (logits.argmax(-1) == targets).sum().item()
-            loss += F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
-                                    reduction="sum").item()
+            loss += cross_entropy(logits, targets, reduction="sum").item()
             total += targets.numel()
     return {"answer_token_acc": correct / total, "answer_loss": loss / total}
 
