@@ -272,7 +272,7 @@ def measure_training(case: Case, settings: Settings, cap_s: float, result: dict)
     import torch
     from pretrain.config import gpu_attention, resolved_precision
     from pretrain.flops import achieved_tflops, mfu
-    from pretrain.models.ebt import replay_store_bytes
+    from pretrain.models.replay import replay_store_bytes
     from pretrain.train import Trainer
 
     started = time.perf_counter()

@@ -43,6 +43,12 @@ def wide(t: torch.Tensor) -> torch.Tensor:
     return t.float() if t.dtype.itemsize < 4 else t
 
 
+def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per-token cross entropy [B, R] in at least float32; ignored targets (-1) give 0."""
+    return F.cross_entropy(wide(logits).flatten(0, 1), targets.flatten(), ignore_index=-1,
+                           reduction="none").view(targets.shape)
+
+
 def autocast_dtype(device: torch.device) -> torch.dtype | None:
     """The dtype torch.autocast runs matmuls in on `device` (train.precision=bf16-autocast), or
     None outside autocast (the meta device, which `pretrain.plan` runs on, has none)."""

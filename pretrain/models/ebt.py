@@ -30,22 +30,23 @@ as one leaf module (`autograd.grad` inside a forward needs the parameters whole)
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
-import math
-from dataclasses import dataclass, replace
-from typing import Callable, NamedTuple
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pretrain.models.blocks import check_choice, check_positive, maybe_checkpoint, no_autocast, wide
+from pretrain.models.blocks import check_choice, check_positive, maybe_checkpoint, no_autocast, token_losses
 from pretrain.models.common import DecodeCache, LanguageModel, ModelOutput
-from pretrain.models.descent_plumbing import CheckpointedStep, StepSettings, seeded_rng
+from pretrain.models.descent_plumbing import CheckpointedStep, StepSettings, energy_settled, seeded_rng
 from pretrain.models.ebt_attention import two_stream_attention
 from pretrain.models.llama import (Block, LlamaConfig, RMSNorm, RotaryCache, block_flops, causal_attention,
                                    check_length, init_weights)
-from pretrain.models.registry import register_family, register_flavor
+from pretrain.models.registry import FamilySpec, register_family, register_flavor
+from pretrain.models.replay import LEGACY_REPLAY_BUFFERS, ReplayStore, replay_store_bytes
 
 MIN_ALPHA = 1e-4
 """Lower clamp of a learnable step size (as the released code), so it cannot turn into ascent."""
@@ -191,18 +192,6 @@ def stream_attention(stream: str) -> Callable:
     if stream == "predicted":
         return two_stream_attention
     raise ValueError(f"unknown EBT attention stream {stream!r}: 'observed' or 'predicted'")
-
-
-def energy_settled(before: torch.Tensor, after: torch.Tensor, tolerance: float) -> torch.Tensor:
-    """Where a descent step changed the energy by less than `tolerance` times the energy before
-    it (the per-position stop of `EnergyDescent.forward`)."""
-    return (after - before).abs() < tolerance * before.abs()
-
-
-def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Per-token cross entropy [B, R] in at least float32; ignored targets (-1) give 0."""
-    return F.cross_entropy(wide(logits).flatten(0, 1), targets.flatten(), ignore_index=-1,
-                           reduction="none").view(targets.shape)
 
 
 class DescentResult(NamedTuple):
@@ -453,210 +442,12 @@ class ThinkOutput(NamedTuple):
     """[steps, B, R] cross entropy per position after each step (chosen samples), given targets."""
 
 
-class StepCount:
-    """Descent steps taken by predicted positions, over any number of calls: adaptive thinking's
-    cost (`think` with a stop_tolerance)."""
-
-    def __init__(self):
-        self.steps = 0
-        """Steps summed over the positions counted."""
-        self.positions = 0
-        self.most = 0
-        """The most steps one position took."""
-
-    def add(self, steps_taken: torch.Tensor) -> None:
-        """Count the positions of `steps_taken` (any shape)."""
-        if steps_taken.numel():
-            self.steps += int(steps_taken.sum())
-            self.positions += steps_taken.numel()
-            self.most = max(self.most, int(steps_taken.max()))
-
-    def merge(self, other: StepCount) -> None:
-        self.steps, self.positions = self.steps + other.steps, self.positions + other.positions
-        self.most = max(self.most, other.most)
-
-    @property
-    def mean(self) -> float | None:
-        return self.steps / self.positions if self.positions else None
-
-
-# --- the replay buffer ----------------------------------------------------------------------
-
-def kept_probabilities(config: EBTConfig) -> int:
-    """Probabilities a replay row keeps per position (`replay_top_k`); 0: the whole logits."""
-    return config.replay_top_k if config.replay_top_k < config.vocab_size else 0
-
-
-def replay_layout(config: EBTConfig,
-                  dtype: torch.dtype = torch.float32) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Name -> (shape, dtype) of the tensors of a replay store, with candidates of `dtype` (the
-    training candidate's, float32 unless the model runs in float64)."""
-    rows, T, V, k = config.replay_buffer_size, config.block_size, config.vocab_size, kept_probabilities(config)
-    layout = {"tokens": ((rows, T), torch.long), "targets": ((rows, T), torch.long), "lengths": ((rows,), torch.long)}
-    if k:
-        layout.update(top_logp=((rows, T, k), dtype), top_ids=((rows, T, k), torch.int32), rest_logp=((rows, T), dtype))
-    else:
-        layout["logits"] = ((rows, T, V), dtype)
-    return layout
-
-
-def replay_store_bytes(config: EBTConfig) -> int:
-    """Device bytes of one rank's replay store for `config` (0 without a replay buffer); its
-    checkpoint file holds the same."""
-    if not config.replay_buffer_size:
-        return 0
-    return sum(math.prod(shape) * dtype.itemsize for shape, dtype in replay_layout(config).values())
-
-
-class ReplayStore:
-    """The replay buffer of one rank (S2, Sec. 3.3): a ring of `replay_buffer_size` recent
-    training rows, their tokens, targets and final candidates, which later batches restart from.
-    Plain tensors on the device of the training batches, allocated when the first rows are
-    stored, outside the module's state (so outside DeepSpeed's buffers and the exports): the
-    checkpoint manager saves each rank's store in a file of its own.
-
-    A candidate is kept as the distribution it stands for (`kept`): the `replay_top_k` largest
-    log-probabilities per position with their ids, and one log-probability for every other id
-    (the rest of the mass spread evenly). A replayed row restarts from these log-probabilities as
-    its logits: they differ from a candidate's logits by a constant per position, which the
-    softmax of a descent step, its update and the cross entropy all ignore, so the row restarts
-    from exactly the kept distribution. With top-k off the logits are kept whole."""
-
-    def __init__(self, config: EBTConfig):
-        self.config = config
-        self.top_k = kept_probabilities(config)
-        self.tensors: dict[str, torch.Tensor] = {}
-        """The tensors of `replay_layout`, empty until rows are first stored."""
-        self.next = 0
-        """The slot the next row goes to: the oldest row once the ring is full."""
-
-    def extend(self, idx: torch.Tensor, targets: torch.Tensor, candidate: torch.Tensor):
-        """(idx, targets [B, T], candidate [B, T, V]) followed by round(replay_fraction x B) stored
-        rows of the same length, drawn at random, starting from their stored candidates."""
-        T = idx.size(1)
-        if not self.tensors:
-            return idx, targets, candidate
-        stored = (self.tensors["lengths"] == T).nonzero().flatten()
-        n = min(self.config.replayed_rows(idx.size(0)), stored.numel())
-        if n == 0:
-            return idx, targets, candidate
-        pick = stored[torch.randperm(stored.numel(), device=stored.device)[:n]]
-        return (torch.cat([idx, self.tensors["tokens"][pick, :T]]),
-                torch.cat([targets, self.tensors["targets"][pick, :T]]),
-                torch.cat([candidate, self.candidates(pick, T).to(candidate.dtype)]))
-
-    def candidates(self, slots: torch.Tensor, length: int) -> torch.Tensor:
-        """[len(slots), length, V] logits of the candidates stored at `slots`."""
-        t = self.tensors
-        if not self.top_k:
-            return t["logits"][slots, :length]
-        rest = t["rest_logp"][slots, :length, None].expand(-1, -1, self.config.vocab_size).contiguous()
-        return rest.scatter_(-1, t["top_ids"][slots, :length].long(), t["top_logp"][slots, :length])
-
-    def kept(self, candidate: torch.Tensor) -> dict[str, torch.Tensor]:
-        """What the store keeps of candidate logits [..., V]."""
-        if not self.top_k:
-            return {"logits": candidate}
-        logp = candidate.log_softmax(dim=-1)
-        top = logp.topk(self.top_k, dim=-1, sorted=False)
-        # log(the other ids' probabilities summed / their count), exact however small the rest
-        rest = logp.scatter(-1, top.indices, -math.inf).logsumexp(dim=-1)
-        rest = rest - math.log(self.config.vocab_size - self.top_k)
-        return {"top_logp": top.values, "top_ids": top.indices, "rest_logp": rest}
-
-    @torch.no_grad()
-    def store(self, idx: torch.Tensor, targets: torch.Tensor, final_candidate: torch.Tensor) -> None:
-        """Write the last rows of a batch (as many as the ring holds) over the oldest rows:
-        idx, targets [B, T] and their final candidates [B, T, V]."""
-        rows, T = idx.shape
-        size = self.config.replay_buffer_size
-        keep = min(rows, size)
-        if not self.tensors:
-            self.tensors = {name: torch.zeros(shape, dtype=dtype, device=idx.device)
-                            for name, (shape, dtype) in replay_layout(self.config, final_candidate.dtype).items()}
-        slots = [(self.next + i) % size for i in range(keep)]
-        index = torch.tensor(slots, device=idx.device)
-        self.tensors["tokens"][index, :T] = idx[-keep:]
-        self.tensors["targets"][index, :T] = targets[-keep:]
-        self.tensors["lengths"][index] = T
-        for slot, candidate in zip(slots, final_candidate[-keep:]):  # a row at a time: one [T, V] of scratch
-            for name, value in self.kept(candidate).items():
-                self.tensors[name][slot, :T] = value
-        self.next = (self.next + keep) % size
-
-    def youngest_first(self) -> list[int]:
-        """The slots holding rows, the one stored last first."""
-        if not self.tensors:
-            return []
-        lengths = self.tensors["lengths"].tolist()
-        return [slot for slot in ((self.next - 1 - age) % len(lengths) for age in range(len(lengths))) if lengths[slot]]
-
-    def state_dict(self) -> dict:
-        """The store's layout, ring position and tensors (where they are)."""
-        return {"top_k": self.top_k, "next": self.next, **self.tensors}
-
-    @classmethod
-    def saved(cls, config: EBTConfig, state: dict) -> ReplayStore:
-        """The store a `state_dict` describes, in its own layout, its tensors where they are."""
-        tensors = {name: value for name, value in state.items() if torch.is_tensor(value)}
-        rows = tensors["lengths"].numel() if tensors else config.replay_buffer_size
-        store = cls(replace(config, replay_top_k=state["top_k"], replay_buffer_size=rows))
-        store.tensors, store.next = tensors, state["next"]
-        return store
-
-    def load_state_dict(self, state: dict, device: torch.device) -> None:
-        """Take the rows of a `state_dict` onto `device`: as they are, or converted row by row
-        when they were saved in another layout."""
-        saved = ReplayStore.saved(self.config, state)
-        if replay_layout(saved.config) == replay_layout(self.config):
-            self.tensors, self.next = {name: t.to(device) for name, t in saved.tensors.items()}, saved.next
-        else:
-            self.refill([(saved, slot) for slot in reversed(saved.youngest_first())], device)
-
-    def refill(self, rows: list[tuple[ReplayStore, int]], device: torch.device) -> None:
-        """Empty the store, then store the rows (store, slot) in this order onto `device`."""
-        self.tensors, self.next = {}, 0
-        for source, slot in rows:
-            length = int(source.tensors["lengths"][slot])
-            index = torch.tensor([slot], device=source.tensors["lengths"].device)
-            self.store(source.tensors["tokens"][index, :length].to(device),
-                       source.tensors["targets"][index, :length].to(device),
-                       source.candidates(index, length).to(device))
-
-    def deal(self, saved: dict[int, dict], saved_world: int, rank: int, world: int, device: torch.device) -> None:
-        """This rank's rows after the world size changed from `saved_world` to `world`, from the
-        saved stores of the old ranks `dealt_from` names (old rank -> state): row `age` (0 the
-        youngest) of old rank r goes to rank (r + saved_world x age) mod world, so that the rows
-        are dealt out evenly and none twice, and a rank keeps its youngest replay_buffer_size."""
-        mine = []
-        for old_rank, state in saved.items():
-            store = ReplayStore.saved(self.config, state)
-            mine += [(age, old_rank, store, slot) for age, slot in enumerate(store.youngest_first())
-                     if (old_rank + saved_world * age) % world == rank]
-        mine = sorted(mine, key=lambda row: row[:2])[:self.config.replay_buffer_size]
-        self.refill([(store, slot) for _, _, store, slot in reversed(mine)], device)
-
-    @staticmethod
-    def dealt_from(rank: int, saved_world: int, world: int) -> list[int]:
-        """The old ranks whose rows `deal` can give `rank`."""
-        common = math.gcd(saved_world, world)
-        return [old_rank for old_rank in range(saved_world) if (rank - old_rank) % common == 0]
-
-
-LEGACY_REPLAY_BUFFERS = ("replay_tokens", "replay_targets", "replay_candidates", "replay_lengths", "replay_next")
-"""The registered buffers that held the replay buffer in checkpoints written before `ReplayStore`."""
-
-
 def take_legacy_replay_buffers(model: EBT, state_dict: dict, prefix: str, *_) -> None:
     """Load-state hook: module state from before `ReplayStore` holds the replay buffer as buffers,
     which go into the model's store (in its layout) instead of being unexpected keys."""
     legacy = {name: state_dict.pop(prefix + name) for name in LEGACY_REPLAY_BUFFERS if prefix + name in state_dict}
     if legacy and model.replay_store is not None:
-        logits = legacy["replay_candidates"]
-        state = {"top_k": 0, "next": int(legacy["replay_next"]), "tokens": legacy["replay_tokens"],
-                 "targets": legacy["replay_targets"], "lengths": legacy["replay_lengths"],
-                 "logits": wide(logits)}
-        model.replay_store.load_state_dict(state, model.descent.energy_head.weight.device)
+        model.replay_store.load_legacy(legacy, model.descent.energy_head.weight.device)
 
 
 class EBT(LanguageModel):
@@ -891,7 +682,23 @@ class EBT(LanguageModel):
         return total * (1 + cfg.replay_fraction if cfg.replay_buffer_size else 1)
 
 
-register_family("ebt", EBTConfig, EBT)
+def replay_stores(model: EBT) -> dict[str, Any]:
+    """The model's replay store, the per-rank state each checkpoint keeps (replay_store_NNNNN.pt)."""
+    return {} if model.replay_store is None else {"replay_store": model.replay_store}
+
+
+def largest_step(config: EBTConfig) -> EBTConfig:
+    """The config of a run's largest training step: the randomised number of descent steps at its
+    maximum, and no replay store (which the meta device cannot index: the planner gives the
+    replayed rows as extra rows of the micro-batch and counts the store's bytes apart)."""
+    config = copy.copy(config)  # fields set directly: the values are valid, they only fix a draw
+    config.min_steps = config.replay_buffer_size = 0
+    return config
+
+
+register_family(FamilySpec(
+    "ebt", EBTConfig, EBT, thinks=True, rank_states=replay_stores, rank_state_bytes=replay_store_bytes,
+    replayed_rows=EBTConfig.replayed_rows, largest_step=largest_step, stale_buffers=LEGACY_REPLAY_BUFFERS))
 
 # The paper's recipes at "small" (12L/768/12h; 126.8M with the two V x D tables at V=50304), as the
 # released scripts (the S1/S2 kinds: Appendix C.2; their hyperparameters: Tables D.3 and D.4).
