@@ -76,14 +76,12 @@ class FamilySpec:
 
 FAMILIES: dict[str, FamilySpec] = {}
 """Family name -> its spec."""
-_SPECS: dict[type, FamilySpec] = {}
 FLAVORS: dict[str, Any] = {}
 """Flavor name -> family config instance (treat as read-only; `resolve` returns copies)."""
 
 
 def register_family(spec: FamilySpec) -> None:
     FAMILIES[spec.name] = spec
-    _SPECS[spec.config_cls] = spec
 
 
 def register_flavor(name: str, config: Any) -> None:
@@ -111,10 +109,10 @@ def padded_vocab(dataset_vocab_size: int) -> int:
 
 def family_spec(config: Any) -> FamilySpec:
     """The spec of the family that `config` belongs to."""
-    try:
-        return _SPECS[type(config)]
-    except KeyError:
-        raise ValueError(f"no model family registered for {type(config).__name__}") from None
+    for spec in FAMILIES.values():  # a handful
+        if spec.config_cls is type(config):
+            return spec
+    raise ValueError(f"no model family registered for {type(config).__name__}")
 
 
 def model_class(config: Any) -> type[nn.Module]:
