@@ -46,6 +46,7 @@ from pretrain.models.llama import LlamaConfig, block_flops, check_length, init_w
 from pretrain.models.registry import FamilySpec, register_family, register_flavor
 from pretrain.models.replay import LEGACY_REPLAY_BUFFERS, ReplayStore, replay_store_bytes
 
+
 @dataclass
 class EBTConfig(LlamaConfig):
     """EBT on the Llama backbone. The paper's S1 (scaling) and S2 (thinking) recipes are combinations of the

@@ -17,7 +17,7 @@ def no_rank_states(model: nn.Module) -> dict[str, Any]:
     return {}
 
 
-def no_buffer_bytes(config: Any) -> int:
+def no_rank_state_bytes(config: Any) -> int:
     return 0
 
 
@@ -57,8 +57,9 @@ class FamilySpec:
     rank_states: Callable[[nn.Module], dict[str, Any]] = no_rank_states
     """A model's training state outside its module state, kept per rank: name -> an object with
     `state_dict()`, `load_state_dict(state, device)` and the dealing of saved ranks' states after a
-    world-size change (`dealt_from`, `deal`); each checkpoint saves it in a file per rank."""
-    rank_state_bytes: Callable[[Any], int] = no_buffer_bytes
+    world-size change (`dealt_from`, `deal`: the protocol `pretrain.checkpoint.RankState`); each
+    checkpoint saves it in a file per rank and name."""
+    rank_state_bytes: Callable[[Any], int] = no_rank_state_bytes
     """Device bytes of one rank's `rank_states` for a config, which the memory planner adds."""
     replayed_rows: Callable[[Any, int], int] = no_replayed_rows
     """The rows a training micro-batch of that many rows is extended by, at most (for the planner)."""

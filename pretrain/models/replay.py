@@ -1,7 +1,8 @@
 """EBT's replay buffer (S2, Sec. 3.3 of the EBT paper): the per-rank store of recent training rows
 that later batches restart from, its size, and how the saved stores of one world size are dealt
 out over another. The model holds a store (`EBT.replay_store`) and the checkpoint manager saves it
-per rank, as the family's spec hands it over (`FamilySpec.rank_states`)."""
+per rank, as the family's spec hands it over (`FamilySpec.rank_states`). A `config` here is the
+model's `EBTConfig`."""
 from __future__ import annotations
 
 import math
