@@ -100,7 +100,7 @@ def test_the_new_family_samples_from_its_run_and_its_export(bigram_run, tmp_path
                                                        "--temperature", "0"])
         assert result.returncode == 0, result.stderr[-2000:]
         texts.append(result.stdout)
-    assert texts[0] == texts[1] and "ROMEO:" in texts[0]
+    assert texts[0] == texts[1] and texts[0].startswith("ROMEO:")
 
 
 def test_the_new_family_is_planned(tmp_path):
