@@ -36,8 +36,9 @@ class Bigram(LanguageModel):
         self.ln = nn.LayerNorm(config.n_embd)
         nn.init.normal_(self.wte.weight, std=config.init_std)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, return_energies: bool = False,
                 cache: DecodeCache | None = None) -> ModelOutput:
+        """The `LanguageModel` forward; a bigram has no energies to return."""
         if cache is not None:  # nothing to keep but the tokens: a bigram looks back one token
             cache.remember(idx)
         logits = self.ln(self.wte(idx)) @ self.wte.weight.t()
