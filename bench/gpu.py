@@ -274,7 +274,7 @@ def measure_training(case: Case, settings: Settings, cap_s: float, result: dict)
     import torch
     from pretrain.config import gpu_attention
     from pretrain.flops import achieved_tflops, mfu
-    from pretrain.models.ebt import replay_store_bytes
+    from pretrain.models.replay import replay_store_bytes
     from pretrain.precision import resolve_precision
     from pretrain.train import Trainer
 

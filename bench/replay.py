@@ -34,7 +34,7 @@ from data_pipeline.prepare import ensure_prepared
 from pretrain.config import load_config, model_config
 from pretrain.engine import keep_freed_host_memory
 from pretrain.models import build, resolve
-from pretrain.models.ebt import ReplayStore, replay_store_bytes
+from pretrain.models.replay import ReplayStore, replay_store_bytes
 from pretrain.optim import build_optimizer, lr_factor, param_groups, set_lr
 
 CONFIG = "configs/tiny/ebt.yaml"

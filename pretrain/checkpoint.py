@@ -4,7 +4,8 @@ Layout of a run's `ckpt/` directory:
 
     ckpt/step_00000200/          one DeepSpeed checkpoint (model + optimizer shards, client state)
         rank_state_00000.pt      per-process state: RNG states (python, numpy, torch, CUDA), buffers
-        replay_store_00000.pt    per-process EBT replay store (models with a replay buffer)
+        replay_store_00000.pt    per-process state the trainer hands over by name (`CheckpointManager.states`:
+                                 the model family's, e.g. EBT's replay store), one file per name
         complete.json            written by rank 0 after every rank finished writing: the config,
                                  the world size, the dataset's identity, each file's size + checksum
     ckpt/latest                  tag of the newest complete checkpoint, replaced atomically
@@ -38,7 +39,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Protocol
 
 import numpy as np
 import torch
@@ -49,7 +50,6 @@ from common.fileio import amount, atomic_write, atomic_write_text, mount_point
 from pretrain.config import REPLACED_SUFFIX, ConfigError, RunConfig, from_dict, get_key, model_config, to_dict
 from pretrain.engine import seed_process
 from pretrain.models import padded_vocab
-from pretrain.models.ebt import ReplayStore
 from pretrain.runlock import RunLock, hold_run
 
 MARKER = "complete.json"
@@ -184,8 +184,9 @@ def rank_state_file(tag_dir: Path, rank: int) -> Path:
     return tag_dir / f"rank_state_{rank:05d}.pt"
 
 
-def replay_store_file(tag_dir: Path, rank: int) -> Path:
-    return tag_dir / f"replay_store_{rank:05d}.pt"
+def state_file(tag_dir: Path, name: str, rank: int) -> Path:
+    """The file of `rank`'s per-rank state `name` (`CheckpointManager.states`)."""
+    return tag_dir / f"{name}_{rank:05d}.pt"
 
 
 def is_complete(tag_dir: Path) -> bool:
@@ -580,13 +581,25 @@ def read_rank_state(tag_dir: Path, rank: int) -> dict | None:
     return torch.load(path, weights_only=False) if path.exists() else None
 
 
-def replay_store(engine) -> ReplayStore | None:
-    """The EBT replay store of the engine's model, if it has one."""
-    return getattr(engine.module, "replay_store", None)
+class RankState(Protocol):
+    """Training state a rank keeps outside the module state (a model family's: `FamilySpec.rank_states`)."""
+
+    def state_dict(self) -> dict:
+        """The state to save: tensors (where they are) and plain values."""
+
+    def load_state_dict(self, state: dict, device: torch.device) -> None:
+        """Take a saved state (this rank's, at the same world size) onto `device`."""
+
+    def dealt_from(self, rank: int, saved_world: int, world: int) -> list[int]:
+        """The saved ranks whose states `deal` needs for `rank` after a world-size change."""
+
+    def deal(self, saved: dict[int, dict], saved_world: int, rank: int, world: int, device: torch.device) -> str:
+        """Take this rank's share of the saved ranks' states (saved rank -> state) after the world
+        size changed from `saved_world` to `world`; returns the console line that says how."""
 
 
-def _read_replay_store(tag_dir: Path, rank: int, device: torch.device) -> dict:
-    return torch.load(replay_store_file(tag_dir, rank), map_location=device, weights_only=True)
+def _read_state(tag_dir: Path, name: str, rank: int, device: torch.device) -> dict:
+    return torch.load(state_file(tag_dir, name, rank), map_location=device, weights_only=True)
 
 
 def capture_rng() -> dict:
@@ -620,7 +633,8 @@ def data_identity(manifest: dict, mixture: list[tuple[dict, float | None, float 
 class CheckpointManager:
     """Owns a run's `ckpt/` directory: which checkpoint a run resumes from (checked against the
     config before any work), saving every `checkpoint.interval` steps with retention, loading
-    (through the universal form after a layout change), and per-rank state (buffers, RNG, EBT's replay store)."""
+    (through the universal form after a layout change), and per-rank state (buffers, RNG, and the
+    `states` handed over)."""
 
     def __init__(self, cfg: RunConfig, rank: int, world_size: int, precision: str):
         self.cfg = cfg
@@ -633,6 +647,9 @@ class CheckpointManager:
         universal form."""
         self.run_lock: RunLock | None = None
         """Rank 0's hold on the run directory, from `resume_point` until `release`."""
+        self.states: dict[str, RankState] = {}
+        """Per-rank state saved and restored with each checkpoint, name -> object (the trainer hands
+        over its model family's once the model is built: `FamilySpec.rank_states`)."""
 
     # -- before any work
 
@@ -751,9 +768,8 @@ class CheckpointManager:
             rank_state = {"buffers": {name: b.detach().cpu().clone() for name, b in engine.module.named_buffers()},
                           "rng": capture_rng()}
             writes.save_atomically(rank_state, rank_state_file(tag_dir, self.rank))
-            store = replay_store(engine)
-            if store is not None:  # torch.save copies its device tensors to the host one at a time
-                writes.save_atomically(store.state_dict(), replay_store_file(tag_dir, self.rank))
+            for name, state in self.states.items():  # torch.save copies device tensors to the host one at a time
+                writes.save_atomically(state.state_dict(), state_file(tag_dir, name, self.rank))
         while self.cfg.fault.checkpoint_stall_file and os.path.exists(self.cfg.fault.checkpoint_stall_file):
             time.sleep(0.1)
         reports = [None] * self.world_size  # also waits for every rank's writes
@@ -823,13 +839,11 @@ class CheckpointManager:
         train_state = client_state["train_state"]
         same_world = marker.world_size == self.world_size
         self._restore_rank_state(engine, tag_dir, train_state["step"], same_world)
-        dealt = self._restore_replay_store(engine, tag_dir, marker.world_size)
+        dealt = self._restore_states(engine, tag_dir, marker.world_size)
         loader_state = client_state["loader"]
         notes = self._layout_changes(marker, universal, loader_state, train_state) if describe else []
-        if describe and dealt:
-            notes.append(f"EBT's replay buffers of {marker.world_size} process(es) are dealt out over "
-                         f"{self.world_size}: every saved row goes to one process, which keeps its youngest "
-                         f"{replay_store(engine).config.replay_buffer_size}")
+        if describe:
+            notes += dealt
         if describe and marker.data is not None and self.cfg.data.allow_change and loader_state is not None:
             saved_data = marker.data
             notes.append(f"data.allow_change: continuing on {self.cfg.data.path} (trained so far on "
@@ -841,11 +855,11 @@ class CheckpointManager:
         """This rank's buffers and random streams. Per-rank streams have no counterpart at
         another world size, so after a world-size change every rank derives fresh ones from
         (seed, rank, step); a rank that saved no state of its own takes rank 0's buffers (for
-        EBT checkpoints from before the replay store files: its replay rows)."""
+        checkpoints from before the per-rank state files, whose buffers held that state: EBT's replay rows)."""
         own_state = read_rank_state(tag_dir, self.rank)
         state = own_state if own_state is not None else read_rank_state(tag_dir, 0)
-        # not strict: the parameters are DeepSpeed's; EBT takes the replay buffers of checkpoints
-        # written before its replay store (`take_legacy_replay_buffers`)
+        # not strict: the parameters are DeepSpeed's; a family may take buffers of checkpoints written
+        # before its per-rank state files (EBT's `take_legacy_replay_buffers`)
         unexpected = engine.module.load_state_dict((state or {}).get("buffers", {}), strict=False).unexpected_keys
         if unexpected:
             raise CheckpointError(f"{rank_state_file(tag_dir, self.rank)}: buffers {', '.join(unexpected)} "
@@ -858,22 +872,23 @@ class CheckpointManager:
                   "missing; its random streams restart from (seed, rank, step)", file=sys.stderr)
         seed_process(self.cfg.seed, self.rank, step)
 
-    def _restore_replay_store(self, engine, tag_dir: Path, saved_world: int) -> bool:
-        """This rank's EBT replay store: its own saved store at the same world size, else rows
-        dealt out from the saved ranks' stores (`ReplayStore.deal`); returns whether they were
-        dealt. Checkpoints written before the store files held the replay buffer in the
-        module's buffers, which loading the module and the rank's buffers restored."""
-        store = replay_store(engine)
-        if store is None or not replay_store_file(tag_dir, 0).exists():
-            return False
+    def _restore_states(self, engine, tag_dir: Path, saved_world: int) -> list[str]:
+        """This rank's `states`: each its own saved state at the same world size, else its share
+        dealt out from the saved ranks' states (`RankState.deal`); returns the lines saying how
+        they were dealt. A state without files (a checkpoint from before them: the module's
+        buffers held it, which `_restore_rank_state` loaded) keeps what it has."""
         device = next(engine.module.parameters()).device
-        if saved_world == self.world_size:
-            store.load_state_dict(_read_replay_store(tag_dir, self.rank, device), device)
-            return False
-        saved = {rank: _read_replay_store(tag_dir, rank, torch.device("cpu"))
-                 for rank in store.dealt_from(self.rank, saved_world, self.world_size)}
-        store.deal(saved, saved_world, self.rank, self.world_size, device)
-        return True
+        dealt = []
+        for name, state in self.states.items():
+            if not state_file(tag_dir, name, 0).exists():
+                continue
+            if saved_world == self.world_size:
+                state.load_state_dict(_read_state(tag_dir, name, self.rank, device), device)
+                continue
+            saved = {rank: _read_state(tag_dir, name, rank, torch.device("cpu"))
+                     for rank in state.dealt_from(self.rank, saved_world, self.world_size)}
+            dealt.append(state.deal(saved, saved_world, self.rank, self.world_size, device))
+        return dealt
 
     def _layout_changes(self, marker: Marker, universal: bool, loader_state: dict,
                         train_state: dict) -> list[str]:

@@ -614,15 +614,15 @@ def validate(cfg: RunConfig, world_size: int, has_gpu: bool) -> None:
 def dynamics_without_descent(cfg: RunConfig, model_config: Any) -> str | None:
     """What `eval.dynamics` will not do for a family without a descent, or None. A warning, not an
     error: a sweep may set it for every family, and those with a descent get their scalars."""
-    from pretrain.models import family_name
-    from pretrain.models.probes import DESCENT_FAMILIES
+    from pretrain.models import family_spec
+    from pretrain.models.probes import descending_families
 
-    family = family_name(model_config)
-    if not cfg.eval.dynamics or family in DESCENT_FAMILIES:
+    spec = family_spec(model_config)
+    if not cfg.eval.dynamics or spec.descends:
         return None
-    return (f"eval.dynamics=true: a {family} model has no descent to measure, so this run logs no "
+    return (f"eval.dynamics=true: a {spec.name} model has no descent to measure, so this run logs no "
             f"eval/dynamics scalars and summary.json's dynamics stays null (they exist for "
-            f"{', '.join(DESCENT_FAMILIES)})")
+            f"{', '.join(descending_families())})")
 
 
 def short_warmup(cfg: RunConfig) -> str | None:

@@ -38,14 +38,14 @@ from common.fileio import atomic_directory, atomic_write_text, markdown_table
 from pretrain.config import DataSection, EvalSection
 from pretrain.evaluate import run_dir_of
 from pretrain.metrics import append_to_tensorboard, pyplot
-from pretrain.models.ebt import energy_settled, token_losses
-from pretrain.models.probes import (DESCENT_FAMILIES, after_each_step, never_rising, rank_correlation,
+from pretrain.models import family_spec
+from pretrain.models.blocks import token_losses
+from pretrain.models.descent_plumbing import energy_settled
+from pretrain.models.probes import (after_each_step, descending_families, never_rising, rank_correlation,
                                     read_out_each_step, relative_update, state_energies)
 from pretrain.trained import DTYPES, TrainedModel, inside_trainer_directory, load_trained
 from pretrain.weights import LoadError
 
-RECURRENT = ("gpt_rec", "nrgpt")
-FAMILIES = DESCENT_FAMILIES
 DEFAULT_TOLERANCES = (0.0, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0)
 TRAJECTORY_SAMPLE = 48
 """Tokens whose energy trajectories the NRGPT figure draws."""
@@ -86,12 +86,12 @@ def fixed_depth(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -
     """One forward, read out after every step. Per token, [steps, B, T]: `losses` after steps
     1..S, `updates` (relative update of steps 1..S); NRGPT also `energies` [S + 1, B, T], each
     token's own energy at the states 0..S. `loss`: the forward's own loss."""
-    nrgpt = hasattr(model, "recurrence")
+    with_energies = family_spec(model.config).step_energies
     with read_out_each_step(model, targets) as record:
-        out = model(inputs, targets, return_energies=nrgpt)
+        out = model(inputs, targets, return_energies=with_energies)
     measured = {"loss": out.loss, "losses": torch.stack(record["losses"]),
                 "updates": torch.stack(record["updates"])}
-    if nrgpt:
+    if with_energies:
         measured["energies"] = state_energies(out.diagnostics["_token_energy"], record)
     return measured
 
@@ -398,9 +398,10 @@ def check_options(args) -> list[float]:
 
 def resolve_settings(args, trained: TrainedModel, tolerances: list[float]) -> Settings:
     """The options, with the run's data, micro-batch and eval batches where not given."""
-    if trained.family not in FAMILIES:
+    spec = trained.spec
+    if not spec.descends:
         raise DynamicsError(f"{args.source} is a {trained.family} model: the descent dynamics apply to "
-                            f"{', '.join(FAMILIES)}")
+                            f"{', '.join(descending_families())}")
     run_config = trained.run_config
     data, evaluation = run_config.get("data", {}), run_config.get("eval", {})
     data_dir = args.data or data.get("path")
@@ -415,14 +416,14 @@ def resolve_settings(args, trained: TrainedModel, tolerances: list[float]) -> Se
                         transient=NRGPT_TRANSIENT if args.transient is None else args.transient,
                         max_think_steps=None)
     n_steps = trained.model_config.n_steps
-    if trained.family == "ebt":
+    if spec.thinks:
         settings.max_think_steps = args.max_think_steps or 4 * n_steps
     elif args.max_think_steps is not None:
         raise DynamicsError("--max-think-steps applies to EBT models only")
-    if trained.family != "nrgpt" and args.transient is not None:
+    if not spec.step_energies and args.transient is not None:
         raise DynamicsError(f"--transient applies to NRGPT models only (a {trained.family} model has no "
                             "energy per token to rise)")
-    if trained.family == "nrgpt" and not 0 <= settings.transient < n_steps:
+    if spec.step_energies and not 0 <= settings.transient < n_steps:
         raise DynamicsError(f"--transient must be in [0, {n_steps - 1}] (the model takes {n_steps} steps), "
                             f"got {settings.transient}")
     return settings
@@ -448,7 +449,7 @@ def measure(trained: TrainedModel, settings: Settings, device: torch.device) -> 
     """The report (before its figures): the source, the settings and the family's measurements."""
     batches = evaluation_batches(settings.data_dir, settings.split, settings.batch_size, settings.batches,
                                  settings.seed, device)
-    if trained.family == "ebt":
+    if trained.spec.thinks:
         measured = ebt_dynamics(trained.model, batches, settings.tolerances, settings.max_think_steps)
     else:
         measured = recurrent_dynamics(trained.model, batches, settings.tolerances, settings.transient)
@@ -463,7 +464,7 @@ def dynamics(args) -> tuple[Path, str]:
     trained = load_trained(args.source, device=args.device, dtype=args.dtype)
     settings = resolve_settings(args, trained, tolerances)
     report = measure(trained, settings, torch.device(args.device))
-    figures = recurrent_figures(report, trained.family) if trained.family in RECURRENT else ebt_figures(report)
+    figures = ebt_figures(report) if trained.spec.thinks else recurrent_figures(report, trained.family)
     plt = pyplot()
     out = Path(args.out)
     with atomic_directory(out) as staging:

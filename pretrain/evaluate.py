@@ -33,9 +33,8 @@ import torch.distributed as dist
 
 from common.cli import ArgumentParser, run_command
 from pretrain.config import DownstreamSection, EvalSection
-from pretrain.models import family_name
-from pretrain.models.probes import (DESCENT_FAMILIES, never_rising, rank_correlation, read_out_each_step,
-                                   state_energies)
+from pretrain.models import family_spec
+from pretrain.models.probes import never_rising, rank_correlation, read_out_each_step, state_energies
 
 
 DEPTH_READOUT_BUDGET = 0.05
@@ -108,9 +107,9 @@ class DescentProbe:
     `pretrain.dynamics` measures these, and more, over many batches after training."""
 
     def __init__(self, model: torch.nn.Module, seq_len: int, batches: int):
-        self.model, self.family = model, family_name(model.config)
+        self.model, self.spec = model, family_spec(model.config)
         self.totals: torch.Tensor | None = None
-        if self.family != "ebt":
+        if not self.spec.thinks:
             extra = model.config.n_steps * model.readout_flops(training=False)  # a token read out at every step
             budget = DEPTH_READOUT_BUDGET * batches * model.flops_per_token(seq_len, training=False)
             stride = math.ceil(extra / budget)
@@ -118,16 +117,16 @@ class DescentProbe:
 
     @staticmethod
     def applies(model: torch.nn.Module, settings: EvalSection) -> bool:
-        return settings.dynamics and family_name(model.config) in DESCENT_FAMILIES
+        return settings.dynamics and family_spec(model.config).descends
 
     def forward(self, engine, inputs: torch.Tensor, targets: torch.Tensor):
         """The evaluation's forward of a gpt_rec or NRGPT model, read out after every step."""
-        nrgpt = self.family == "nrgpt"
+        with_energies = self.spec.step_energies
         with read_out_each_step(self.model, targets, self.positions) as record:
-            out = engine(inputs, targets, return_energies=nrgpt)
+            out = engine(inputs, targets, return_energies=with_energies)
         read = targets[:, self.positions] != -1
         totals = [(losses * read).sum() for losses in record["losses"]] + [read.sum()]
-        if nrgpt:
+        if with_energies:
             valid = targets != -1
             energies = state_energies(out.diagnostics["_token_energy"], record)[:, valid]
             totals += [never_rising(energies, min(1, self.model.config.n_steps - 1)).sum(), valid.sum()]
@@ -144,12 +143,12 @@ class DescentProbe:
     def scalars(self) -> dict[str, float]:
         """The scalars over every process (a collective: every rank calls it)."""
         dist.all_reduce(self.totals)
-        if self.family == "ebt":
+        if self.spec.thinks:
             return {"energy_loss_spearman": float(self.totals[0]) / dist.get_world_size()}
         steps = self.model.config.n_steps
         values = self.totals.tolist()
         scalars = {f"depth_loss/step_{s:02d}": values[s - 1] / max(values[steps], 1) for s in range(1, steps + 1)}
-        if self.family == "nrgpt":
+        if self.spec.step_energies:
             scalars["monotone_fraction"] = values[steps + 1] / max(values[steps + 2], 1)
         return scalars
 
@@ -168,7 +167,7 @@ def evaluate(engine, val_loader, settings: EvalSection, device: torch.device, se
     byte_lengths = token_byte_lengths(manifest)
     token_bytes = None if byte_lengths is None else torch.from_numpy(byte_lengths).to(device)
     model = engine.module
-    thinks = hasattr(model, "think")
+    thinks = family_spec(model.config).thinks
     devices = [device.index or 0] if device.type == "cuda" else []
     engine.eval()
     try:
@@ -357,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         trained = _load_text_model(source, device, args.dtype)
         thinking = args.think_steps or args.best_of != 1 or args.think_until is not None
-        if thinking and not hasattr(trained.model, "think"):
+        if thinking and not trained.spec.thinks:
             raise LoadError(f"--think-steps/--best-of/--think-until: a {trained.family} model does not think "
                             "(EBT only)")
         prompts = reference = None

@@ -32,7 +32,7 @@ from common.fileio import atomic_directory, markdown_table, read_json, sha256_he
 from pretrain.evaluate import results_file
 from pretrain.hf import native
 from pretrain.hf.load import CHECKSUM_FILE, CODE_PREFIX, RUN_FILE
-from pretrain.models import build, family_name, model_class
+from pretrain.models import build, family_name, family_spec, model_class
 from pretrain.summary import SUMMARY_FILE
 from pretrain.trained import TrainedModel, inside_trainer_directory, is_run_directory
 
@@ -157,7 +157,7 @@ def export_hf(trained: TrainedModel, out: str | Path, overwrite: bool = False, c
 def save_native(state: dict[str, torch.Tensor], model_config: Any, out: Path, eot_id: int) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    model_type = native.HF_MODEL_TYPES[family_name(model_config)]
+    model_type = native.hf_model_type(model_config)
     # no pad_token_id in the model config: Llama would make it its embedding's padding_idx
     config = AutoConfig.for_model(model_type, **native.hf_config(model_config), bos_token_id=eot_id,
                                   eos_token_id=eot_id)
@@ -360,14 +360,14 @@ def model_card(trained: TrainedModel, model_config: Any, not_native: str | None,
     load = ("from transformers import AutoModelForCausalLM, AutoTokenizer\n"
             f"model = AutoModelForCausalLM.from_pretrained(\"{out.name}\"{', trust_remote_code=True' if remote else ''})\n"
             f"tokenizer = AutoTokenizer.from_pretrained(\"{out.name}\")")
-    architecture = (f"Native `{native.ARCHITECTURES[native.HF_MODEL_TYPES[family]]}`." if not remote else
+    architecture = (f"Native `{native.ARCHITECTURES[native.hf_model_type(model_config)]}`." if not remote else
                     f"Custom code (`modeling_{family}.py`, `modeling.py` and the model's own modules in this "
                     f"directory; they need only torch and transformers): {not_native}. `generate()` "
                     "decodes with the model's own cache: each new token runs against the cached keys and "
                     "values, and past the context length the last block_size tokens are recomputed "
                     "(`use_cache=False` recomputes the context for every token)"
                     + (f"; each token is predicted by {model_config.n_steps} descent steps (thinking)"
-                       if family == "ebt" else "") + ".")
+                       if family_spec(model_config).thinks else "") + ".")
     lines = [
         "---", "library_name: transformers", f"tags: [{family}, pretrain]", "---", "",
         f"# {trained.flavor} (step {trained.step})", "",

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import dataclasses
 import json
 import math
@@ -37,7 +36,7 @@ from pretrain.config import (ConfigError, RunConfig, batch_split, describe_batch
                              validate)
 from pretrain.engine import deepspeed_config
 from pretrain.flops import peak_tflops
-from pretrain.models import FLAVORS, build, family_name
+from pretrain.models import FLAVORS, build, family_name, family_spec
 from pretrain.precision import Precision, resolve_precision
 
 GIB = 2**30
@@ -163,13 +162,9 @@ def reduce_bucket_bytes(ds_config: dict) -> int:
     return copies * zero["reduce_bucket_size"] * element
 
 
-def replay_bytes(config: Any) -> int:
-    """One GPU's EBT replay store (0 for other families and with the store off)."""
-    if family_name(config) != "ebt":
-        return 0
-    from pretrain.models.ebt import replay_store_bytes
-
-    return replay_store_bytes(config)
+def rank_state_bytes(config: Any) -> int:
+    """One GPU's per-rank training state outside the module (EBT's replay store; 0 for most families)."""
+    return family_spec(config).rank_state_bytes(config)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -250,21 +245,14 @@ def micro_batch_pass(model: nn.Module, micro_batch_size: int, seq_len: int) -> N
 
 def descent_rows(config: Any, micro_batch_size: int) -> int:
     """The rows a micro-batch runs: EBT's replay store adds replayed rows once it is full."""
-    replayed = config.replayed_rows(micro_batch_size) if hasattr(config, "replayed_rows") else 0
-    return micro_batch_size + replayed
+    return micro_batch_size + family_spec(config).replayed_rows(config, micro_batch_size)
 
 
 def measured_model_config(config: Any) -> Any:
-    """The config the activations are measured on: the largest step of a training run. EBT's
-    randomised number of descent steps is at its maximum, and replayed rows are given as extra
-    rows of the micro-batch (`descent_rows`) instead of drawn from a store, which the meta
-    device cannot index (the buffers part counts the store)."""
-    config = copy.copy(config)  # fields set directly: the values are valid, they only fix a draw
-    if getattr(config, "min_steps", 0):
-        config.min_steps = 0
-    if getattr(config, "replay_buffer_size", 0):
-        config.replay_buffer_size = 0
-    return config
+    """The config the activations are measured on: the largest step of a training run (for EBT:
+    the most descent steps, and replayed rows as extra rows of the micro-batch, `descent_rows`,
+    while the buffers part counts its store)."""
+    return family_spec(config).largest_step(config)
 
 
 def activation_bytes(config: Any, micro_batch_size: int, seq_len: int, dtype: torch.dtype) -> int:
@@ -393,7 +381,7 @@ def memory_parts(cfg: RunConfig, config: Any, precision: Precision, gpus: int, m
     ds_config = deepspeed_config(cfg, gpus, precision)
     states = model_state_bytes(model.num_params(), gathered_parameters(model), ds_config, gpus)
     activations = activation_bytes(config, micro_batch_size, cfg.data.seq_len, precision.param_dtype)
-    return Parts(*states, activations, reduce_bucket_bytes(ds_config) + replay_bytes(config))
+    return Parts(*states, activations, reduce_bucket_bytes(ds_config) + rank_state_bytes(config))
 
 
 def make_plan(config_path: str, cfg: RunConfig, gpus: int, gpu: str, find_largest: bool = True) -> Plan:

@@ -26,8 +26,7 @@ from pathlib import Path
 import torch
 
 from common.cli import ArgumentParser, run_command
-from pretrain.models.common import decode, sample_logits
-from pretrain.models.ebt import StepCount
+from pretrain.models.common import StepCount, decode, sample_logits
 from pretrain.trained import DTYPES, TrainedModel, load_trained
 from pretrain.weights import LoadError
 
@@ -136,12 +135,12 @@ def sample(args, out=sys.stdout, err=sys.stderr) -> None:
     prompts = read_prompts(args)
     trained = load_trained(args.source, device=args.device, dtype=args.dtype)
     ebt_options = {name: getattr(args, name) for name in EBT_OPTIONS if getattr(args, name) is not None}
-    if ebt_options and trained.family != "ebt":
+    if ebt_options and not trained.spec.thinks:
         raise SampleError(f"--think-steps, --best-of and --think-until apply to EBT models only; {args.source} "
                           f"is a {trained.family} model")
     logit_options = {}
     steps_taken: list[torch.Tensor] = []
-    if trained.family == "ebt":
+    if trained.spec.thinks:
         logit_options = {"steps": ebt_options.get("think_steps"), "best_of": ebt_options.get("best_of", 1),
                          "stop_tolerance": args.think_until}
         if args.think_until is not None:

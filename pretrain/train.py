@@ -43,7 +43,7 @@ from pretrain.evaluate import EvalResult, evaluate, evaluate_downstream
 from pretrain.faults import Faults
 from pretrain.flops import peak_tflops
 from pretrain.metrics import Metrics, StepResult, Throughput, diagnostic_scalars
-from pretrain.models import build, family_name
+from pretrain.models import build, family_name, family_spec
 from pretrain.optim import SpikeGuard, build_optimizer, lr_factor, param_groups, set_lr
 from pretrain.precision import resolve_precision
 from pretrain.preflight import check_dataset, evaluates, preflight
@@ -146,6 +146,7 @@ class Trainer:
         configure_device_math(cfg, self.on_gpu)
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
         model = build(self.model_config)
+        self.checkpoints.states = family_spec(self.model_config).rank_states(model)
         # before the engine partitions the parameters; a resumed run gets its weights from its checkpoint
         if cfg.model.init_from and self.checkpoints.resume_from is None:
             from pretrain.hf.load import load_pretrained_weights

@@ -25,7 +25,7 @@ from common.fileio import read_json
 from pretrain import checkpoint
 from pretrain.config import to_dict
 from pretrain.hf.load import read_export, tensors_for
-from pretrain.models import build, family_name, resolve
+from pretrain.models import FamilySpec, build, family_name, family_spec, resolve
 from pretrain.summary import SUMMARY_FILE
 from pretrain.weights import LoadError, load_weights, read_safetensors
 
@@ -72,6 +72,11 @@ class TrainedModel:
     @property
     def family(self) -> str:
         return family_name(self.model_config)
+
+    @property
+    def spec(self) -> FamilySpec:
+        """What the commands know of the model's family (`FamilySpec`)."""
+        return family_spec(self.model_config)
 
     @property
     def tokenizer(self):

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import xxhash
 
-from pretrain.models.ebt import LEGACY_REPLAY_BUFFERS
+from pretrain.models import family_spec
 
 
 class LoadError(ValueError):
@@ -64,9 +64,10 @@ def load_weights(model: nn.Module, tensors: dict[str, torch.Tensor], source: Pat
     key to the source's name); buffers the source lacks keep their values."""
     origin = origin or {}
     expected = model.state_dict()
-    # EBT checkpoints from before the replay store hold its rows as buffers: training state that
-    # a model loaded for use does not need.
-    tensors = {name: t for name, t in tensors.items() if name.rsplit(".", 1)[-1] not in LEGACY_REPLAY_BUFFERS}
+    # old checkpoints of some families hold training state as buffers (EBT's replay rows before
+    # its replay store), which a model loaded for use does not need
+    stale = family_spec(model.config).stale_buffers
+    tensors = {name: t for name, t in tensors.items() if name.rsplit(".", 1)[-1] not in stale}
     for name, t in tensors.items():
         if name not in expected:
             raise LoadError(f"{source}: tensor {origin.get(name, name)} {list(t.shape)} has no counterpart "

@@ -21,7 +21,7 @@ import trainer_runs as runs
 from bench import gpu
 from pretrain.config import gpu_attention, load_config
 from pretrain.models import build, model_class, resolve
-from pretrain.models.ebt import replay_store_bytes
+from pretrain.models.replay import replay_store_bytes
 from pretrain.plan import make_plan
 
 PEAK = 2.0

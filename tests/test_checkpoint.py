@@ -28,7 +28,7 @@ from common.fileio import atomic_write, atomic_write_text
 from numerics import assert_rounding_close
 from pretrain import checkpoint
 from pretrain.models import resolve
-from pretrain.models.ebt import LEGACY_REPLAY_BUFFERS, ReplayStore, replay_store_bytes
+from pretrain.models.replay import LEGACY_REPLAY_BUFFERS, ReplayStore, replay_store_bytes
 
 
 def make(ckpt_dir, step, complete=True):
@@ -163,7 +163,7 @@ def to_layout_before_store_files(tag_dir: Path) -> None:
     states too, and the marker's record of the files to match."""
     marker = checkpoint.Marker.read(tag_dir)
     config = resolve(marker.config.model.flavor, marker.model_config)
-    stores = [ReplayStore.saved(config, torch.load(checkpoint.replay_store_file(tag_dir, rank)))
+    stores = [ReplayStore.saved(config, torch.load(checkpoint.state_file(tag_dir, "replay_store", rank)))
               for rank in range(marker.world_size)]
     for rank, store in enumerate(stores):
         rows, length = store.tensors["lengths"].numel(), config.block_size
@@ -179,7 +179,7 @@ def to_layout_before_store_files(tag_dir: Path) -> None:
             state = torch.load(path, weights_only=False)
             state["buffers" if path.name.startswith("rank_state") else "module"].update(legacy)
             torch.save(state, path)
-        checkpoint.replay_store_file(tag_dir, rank).unlink()
+        checkpoint.state_file(tag_dir, "replay_store", rank).unlink()
     marker.files = checkpoint.record_files(tag_dir)
     atomic_write_text(tag_dir / checkpoint.MARKER, marker.to_json())
 
@@ -221,9 +221,9 @@ def test_each_rank_saves_its_replay_store_once_in_a_file_of_its_own(s2_runs):
     marker, damage = checkpoint.check_intact(tag_dir)  # every recorded checksum, read back
     assert damage == [] and sorted(marker.files) == checkpoint.checkpoint_files(tag_dir)
     config = resolve(marker.config.model.flavor, marker.model_config)
-    stores = [ReplayStore.saved(config, torch.load(checkpoint.replay_store_file(tag_dir, rank))) for rank in (0, 1)]
+    stores = [ReplayStore.saved(config, torch.load(checkpoint.state_file(tag_dir, "replay_store", rank))) for rank in (0, 1)]
     for rank, store in enumerate(stores):
-        path = checkpoint.replay_store_file(tag_dir, rank)
+        path = checkpoint.state_file(tag_dir, "replay_store", rank)
         assert path.name in marker.files and store.top_k == 8 and "logits" not in store.tensors
         # 4 steps x 2 micro-batches x 2 rows stored; the file holds the store once (plus torch.save's framing)
         assert len(store.youngest_first()) == 16

@@ -18,7 +18,7 @@ from numerics import assert_rounding_close
 from pretrain.dynamics import adaptive_exit, ebt_dynamics, fixed_depth, recurrent_dynamics, stopped_steps
 from pretrain.evaluate import DescentProbe
 from pretrain.models import build, resolve
-from pretrain.models.ebt import token_losses
+from pretrain.models.blocks import token_losses
 from pretrain.models.probes import rank_correlation
 
 STEPS = 4

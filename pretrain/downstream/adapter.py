@@ -21,7 +21,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
 from data_pipeline.tokenizer import decode_padded
-from pretrain.models.ebt import StepCount
+from pretrain.models.common import StepCount
 
 TEXT_TOKENIZERS = ("gpt2",)
 """Tokenizers that can encode arbitrary English text (the char and ListOps vocabularies cannot)."""

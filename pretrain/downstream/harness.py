@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import yaml
 
-from pretrain.models.ebt import StepCount
+from pretrain.models.common import StepCount
 
 TASKS_DIR = Path(__file__).parent / "tasks"
 STOCK_TASK_DIRS = ("hellaswag", "arc", "piqa", "winogrande", "lambada", "mmlu/default")

@@ -88,7 +88,7 @@ def tensors_for(directory: Path, model_config: Any) -> tuple[dict[str, torch.Ten
     model_type, family = config.get("model_type"), family_name(model_config)
     tensors = read_tensors(directory)
     if model_type in native.ARCHITECTURES:
-        if native.HF_MODEL_TYPES.get(family) != model_type:
+        if native.hf_model_type(model_config) != model_type:
             raise LoadError(f"{directory} holds a {model_type} model; the run's family {family} "
                             f"cannot load it (gpt loads gpt2, transformer_pp loads llama)")
         errors, notes = native.config_mismatches(config, model_config)

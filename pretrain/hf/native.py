@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from pretrain.models import family_name
+from pretrain.models import family_spec
 
 
 @dataclass(frozen=True)
@@ -26,19 +26,23 @@ class WeightName:
     """GPT-2's Conv1D stores linear weights as [in, out], ours (nn.Linear) as [out, in]."""
 
 
-HF_MODEL_TYPES = {"gpt": "gpt2", "transformer_pp": "llama"}
-"""Our family -> the Hugging Face model_type it exports to natively."""
 ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
+"""The Hugging Face model_types that families export to natively (`FamilySpec.hf_model_type`), and their classes."""
+
+
+def hf_model_type(model_config: Any) -> str | None:
+    """The Hugging Face model_type the config's family exports to natively, None if none."""
+    return family_spec(model_config).hf_model_type
 
 
 def not_native_reason(model_config: Any) -> str | None:
     """Why this config has no exact native counterpart (then the export carries our own
     modeling code), or None when it has one. Exact means the same function in training too:
     HF's GPT-2 always has biases, its Llama no dropout on the residual branches."""
-    family = family_name(model_config)
-    if family not in HF_MODEL_TYPES:
-        return f"Hugging Face has no {family} architecture"
-    if family == "gpt":
+    model_type = hf_model_type(model_config)
+    if model_type is None:
+        return f"Hugging Face has no {family_spec(model_config).name} architecture"
+    if model_type == "gpt2":
         if not model_config.bias:
             return "bias=false: GPT2LMHeadModel always has biases"
         if model_config.head_bias:
@@ -51,7 +55,7 @@ def not_native_reason(model_config: Any) -> str | None:
 def hf_config(model_config: Any) -> dict[str, Any]:
     """The Hugging Face config (as keyword arguments) of the native counterpart."""
     c = model_config
-    if family_name(c) == "gpt":
+    if hf_model_type(c) == "gpt2":
         return dict(vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer,
                     n_head=c.n_head, n_inner=4 * c.n_embd,
                     # nn.GELU() is the exact (erf) GELU: HF's "gelu", not GPT-2's default "gelu_new"
@@ -99,7 +103,7 @@ def config_mismatches(source: dict[str, Any], model_config: Any) -> tuple[list[s
 def weight_names(model_config: Any) -> list[WeightName]:
     """Every weight of our model (a tied LM head once, as the embedding) and its HF name."""
     c = model_config
-    if family_name(c) == "gpt":
+    if hf_model_type(c) == "gpt2":
         names = [WeightName("wte.weight", "transformer.wte.weight"), WeightName("wpe.weight", "transformer.wpe.weight")]
         params = ("weight", "bias") if c.bias else ("weight",)
         for i in range(c.n_layer):

@@ -50,9 +50,14 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str = 
     over the vocabulary, also when the model runs in bf16); targets of -1 are ignored.
     `reduction` is F.cross_entropy's: "mean" or "sum" over the other targets, or "none": [B, T]
     per-token losses, 0 where ignored. Every family's training loss, and the per-token losses of
-    the probes and of `pretrain.dynamics` (through `ebt.token_losses`)."""
+    the probes and of `pretrain.dynamics` (through `token_losses`)."""
     losses = F.cross_entropy(wide(logits).flatten(0, 1), targets.flatten(), ignore_index=-1, reduction=reduction)
     return losses.view(targets.shape) if reduction == "none" else losses
+
+
+def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per-token cross entropy [B, R] in at least float32; ignored targets (-1) give 0."""
+    return cross_entropy(logits, targets, reduction="none")
 
 
 def autocast_dtype(device: torch.device) -> torch.dtype | None:

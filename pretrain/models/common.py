@@ -219,3 +219,30 @@ def decode(model: LanguageModel, prompts: torch.Tensor, max_new_tokens: int,
         yield token
         idx = torch.cat([idx, token[:, None]], dim=1)
         position += 1
+
+
+class StepCount:
+    """Descent steps taken by predicted positions, over any number of calls: adaptive thinking's
+    cost (`think` with a stop_tolerance)."""
+
+    def __init__(self):
+        self.steps = 0
+        """Steps summed over the positions counted."""
+        self.positions = 0
+        self.most = 0
+        """The most steps one position took."""
+
+    def add(self, steps_taken: torch.Tensor) -> None:
+        """Count the positions of `steps_taken` (any shape)."""
+        if steps_taken.numel():
+            self.steps += int(steps_taken.sum())
+            self.positions += steps_taken.numel()
+            self.most = max(self.most, int(steps_taken.max()))
+
+    def merge(self, other: StepCount) -> None:
+        self.steps, self.positions = self.steps + other.steps, self.positions + other.positions
+        self.most = max(self.most, other.most)
+
+    @property
+    def mean(self) -> float | None:
+        return self.steps / self.positions if self.positions else None

@@ -9,6 +9,12 @@ from typing import NamedTuple
 import torch
 
 
+def energy_settled(before: torch.Tensor, after: torch.Tensor, tolerance: float) -> torch.Tensor:
+    """Where a descent step changed the energy by less than `tolerance` times the energy before
+    it (the per-position stop of `EnergyDescent.forward`)."""
+    return (after - before).abs() < tolerance * before.abs()
+
+
 class StepSettings(NamedTuple):
     """How one descent step runs."""
 

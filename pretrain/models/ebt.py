@@ -24,31 +24,27 @@ released code). Without step conditioning the observed stream does not depend on
 candidate: its keys and values are computed once per batch and every descent step runs only
 the predicted rows.
 
-`EnergyDescent` holds every parameter and runs the whole loop, so DeepSpeed ZeRO-3 can gather it
-as one leaf module (`autograd.grad` inside a forward needs the parameters whole).
+The descent, with every parameter, is `ebt_descent.EnergyDescent`; here are the config, the
+model around it (training, thinking, decoding) and its registration.
 """
 from __future__ import annotations
 
 import contextlib
-import functools
-import math
-from dataclasses import dataclass, replace
-from typing import Callable, NamedTuple
+import copy
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pretrain.models.blocks import check_choice, check_positive, cross_entropy, maybe_checkpoint, no_autocast, wide
+from pretrain.models.blocks import check_choice, check_positive
 from pretrain.models.common import DecodeCache, LanguageModel, ModelOutput
-from pretrain.models.descent_plumbing import CheckpointedStep, StepSettings, seeded_rng
-from pretrain.models.ebt_attention import two_stream_attention
-from pretrain.models.llama import (Block, LlamaConfig, RMSNorm, RotaryCache, block_flops, causal_attention,
-                                   check_length, init_weights)
-from pretrain.models.registry import register_family, register_flavor
-
-MIN_ALPHA = 1e-4
-"""Lower clamp of a learnable step size (as the released code), so it cannot turn into ascent."""
+from pretrain.models.descent_plumbing import seeded_rng
+from pretrain.models.ebt_descent import EnergyDescent
+from pretrain.models.llama import LlamaConfig, block_flops, check_length, init_weights
+from pretrain.models.registry import FamilySpec, register_family, register_flavor
+from pretrain.models.replay import LEGACY_REPLAY_BUFFERS, ReplayStore, replay_store_bytes
 
 
 @dataclass
@@ -176,269 +172,6 @@ class EBTConfig(LlamaConfig):
         return 1 if self.step_embeddings == "shared" else self.n_steps
 
 
-def stream_attention(stream: str) -> Callable:
-    """The attention each of the backbone's two streams runs through, chosen by how often the
-    descent differentiates it (flash SDPA kernels have no double backward):
-
-    - "observed": causal SDPA, torch's fastest kernel for the device (flash on GPU). The energy
-      gradient is taken w.r.t. the candidate only, with the observed keys and values as
-      constants, so this stream is differentiated once, with or without reuse.
-    - "predicted": `two_stream_attention` (`ebt_attention.py`), whose first and second
-      derivatives are written out and run on every device: training differentiates these rows
-      twice (the energy gradient, then the loss through it)."""
-    if stream == "observed":
-        return causal_attention
-    if stream == "predicted":
-        return two_stream_attention
-    raise ValueError(f"unknown EBT attention stream {stream!r}: 'observed' or 'predicted'")
-
-
-def energy_settled(before: torch.Tensor, after: torch.Tensor, tolerance: float) -> torch.Tensor:
-    """Where a descent step changed the energy by less than `tolerance` times the energy before
-    it (the per-position stop of `EnergyDescent.forward`)."""
-    return (after - before).abs() < tolerance * before.abs()
-
-
-def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Per-token cross entropy [B, R] in at least float32; ignored targets (-1) give 0."""
-    return cross_entropy(logits, targets, reduction="none")
-
-
-class DescentResult(NamedTuple):
-    candidate: torch.Tensor
-    """[B, R, V] final candidate logits y (detached)."""
-    energies: torch.Tensor
-    """[S, B, R] energy at the candidate entering each step (detached); [S + 1, ...] with
-    `final_energy`, the last entry being the final candidate's energy."""
-    token_losses: torch.Tensor | None
-    """[S, B, R] cross entropy of log_softmax(y_{t+1}) per step and token (detached)."""
-    loss_per_step: torch.Tensor | None
-    """[S] mean cross entropy after each step (detached)."""
-    loss: torch.Tensor | None
-    """The training objective (mean over steps, or last step when truncated), with its graph."""
-    alpha: torch.Tensor
-    """The (clamped) step size parameter, detached."""
-    steps_taken: torch.Tensor | None = None
-    """[B, R] descent steps each position took, with a `stop_tolerance`."""
-
-
-class EnergyDescent(nn.Module):
-    """Every parameter of the EBT and the descent loop over them (a ZeRO-3 leaf module)."""
-
-    def __init__(self, config: EBTConfig):
-        super().__init__()
-        self.config = config
-        D, V = config.n_embd, config.vocab_size
-        self.tok_embeddings = nn.Embedding(V, D)
-        self.candidate_embedding = None if config.expected_embedding else nn.Linear(V, D, bias=False)
-        self.time_embeddings = nn.Embedding(config.n_step_embeddings, D) if config.time_embed else None
-        self.layers = nn.ModuleList(Block(config, joined_projections=True) for _ in range(config.n_layer))
-        self.norm = RMSNorm(D, config.norm_eps)
-        self.energy_head = nn.Linear(D, 1, bias=False)
-        # shape [1], not 0-d: DeepSpeed broadcasts parameters as byte views, which 0-d tensors refuse
-        alpha = torch.tensor([float(config.alpha)])
-        if config.alpha_learnable:
-            self.alpha = nn.Parameter(alpha)
-        else:
-            self.register_buffer("alpha", alpha)
-        # candidate rows sit n_prefix + 1 positions after their token (n_prefix <= 1)
-        self.rope = RotaryCache(config.head_dim, config.rope_theta, config.block_size + 2)
-
-    def observe(self, idx: torch.Tensor, step: int, anchor: torch.Tensor | None = None,
-                cache: DecodeCache | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer, the rotated keys and values [B, H, T (+1), hd] of the observed stream:
-        causal attention over the observed tokens (after the step embedding, if any). With a
-        decoding cache only the tokens of idx it has not seen run (see `observe_cached`)."""
-        if cache is not None:
-            return self.observe_cached(idx, step, cache)
-        x = self.tok_embeddings(idx)
-        if anchor is not None:
-            x = x + anchor.sum()  # adds 0; see `forward`
-        if self.time_embeddings is not None:
-            step_index = idx.new_full((idx.size(0), 1), min(step, self.config.n_step_embeddings - 1))
-            x = torch.cat([self.time_embeddings(step_index), x], dim=1)
-        rope = self.rope(0, x.size(1), x)
-        x = x.flatten(0, 1)  # one [B T, D] matrix, as in `energy`
-        checkpointed = self.config.activation_checkpointing == "block"
-        observed = []
-        for layer in self.layers[:-1]:
-            x, k, v = maybe_checkpoint(checkpointed, layer, x, rope, stream_attention("observed"))
-            observed.append((k, v))
-        # the last layer's observed outputs feed nothing: only its keys and values are needed
-        last = self.layers[-1]
-        observed.append(last.attention.keys_values(last.attention_norm(x), rope))
-        return observed
-
-    def observe_cached(self, idx: torch.Tensor, step: int, cache: DecodeCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """`observe` for decoding: idx [k B, T] is the cache's B rows of tokens (repeated k
-        times for best-of-k); the tokens the cache has not run yet go through the layers, whose
-        keys and values are appended to the cache's slots. With step conditioning the stream
-        differs per step embedding, so each has its own slots."""
-        conditioning = min(step, self.config.n_steps - 1) if self.time_embeddings is not None else 0
-        slots = [cache.slot(("observed", conditioning, i)) for i in range(len(self.layers))]
-        rows = cache.tokens.size(0)
-        seen = slots[0].length  # stream positions, the step embedding included
-        new = idx[:rows, max(0, seen - self.config.n_prefix):]
-        if new.size(1):
-            x = self.tok_embeddings(new)
-            if self.time_embeddings is not None and seen == 0:
-                x = torch.cat([self.time_embeddings(new.new_full((rows, 1), conditioning)), x], dim=1)
-            rope = self.rope(seen, x.size(1), x)
-            for layer, slot in zip(self.layers[:-1], slots):
-                x = layer(x, rope, slot.attend)[0]
-            last = self.layers[-1]
-            slots[-1].append(*last.attention.keys_values(last.attention_norm(x), rope))
-        repeats = idx.size(0) // rows
-        return [tuple(t.repeat(repeats, 1, 1, 1) for t in slot.contents()) for slot in slots]
-
-    def candidate_table(self) -> torch.Tensor:
-        """W_ve [V, D]: the candidate p [.., V] is embedded as p @ W_ve."""
-        if self.candidate_embedding is None:
-            return self.tok_embeddings.weight
-        return self.candidate_embedding.weight.t()
-
-    def energy(self, embedded: torch.Tensor, observed: list, first_row: int,
-               second_order: bool = False) -> torch.Tensor:
-        """Energies [B, R] of the embedded candidates p @ W_ve [B, R, D] of positions
-        first_row .. first_row + R - 1; `second_order`: the training descent will differentiate
-        the energy's gradient (the norms then take their hand-written derivatives). The rows
-        run as one [B R, D] matrix: the linear layers then run their matmuls without the
-        reshapes around each (ATen ops in every pass: this loop runs three)."""
-        n_prefix = self.config.n_prefix
-        rope = self.rope(first_row + 1 + n_prefix, embedded.size(1), embedded)
-        checkpointed = self.config.activation_checkpointing == "block"
-        x = embedded.flatten(0, 1)
-        for layer, (k_obs, v_obs) in zip(self.layers, observed):
-            attend = functools.partial(stream_attention("predicted"), k_obs=k_obs, v_obs=v_obs,
-                                       offset=first_row + n_prefix, chunks=self.config.attention_chunks)
-            x = maybe_checkpoint(checkpointed, layer, x, rope, attend, second_order)[0]
-        return self.energy_head(self.norm(x, second_order)).view(embedded.shape[:2])
-
-    def step(self, y: torch.Tensor, observed: list, targets: torch.Tensor | None, alpha: torch.Tensor,
-             settings: StepSettings):
-        """One descent step from y_t [B, R, V]: (y_{t+1}, E_t [B, R] detached, per-token loss of
-        y_{t+1} or None), as `settings` say (noise, second-order graph, graph through y_t)."""
-        if not settings.keep_graph:
-            y = y.detach()
-        if settings.noise_std:
-            y = y + settings.noise_std * torch.randn_like(y)
-        probs = y.softmax(dim=-1)
-        table = self.candidate_table()
-        embedded = probs.to(table.dtype) @ table
-        if not embedded.requires_grad:  # a frozen table
-            embedded.requires_grad_()
-        second_order = settings.second_order
-        energy = self.energy(embedded, observed, settings.first_row, second_order)
-        # dE/dp through the embedding by hand: autograd.grad w.r.t. p would need p to require
-        # grad, and the training backward would then also differentiate the loss w.r.t. p
-        grad_embedded, = torch.autograd.grad(energy.sum(), embedded, create_graph=second_order)
-        # in the candidate's dtype (at least float32), also when the model runs in bf16: the
-        # candidate moves by alpha (500 in S1) times these, and it is their differences across
-        # the vocabulary that matter, which bf16's rounding of each (2^-9 of its size) swamps
-        with torch.set_grad_enabled(second_order), no_autocast(probs.device):
-            grad = grad_embedded.to(probs.dtype) @ table.t().to(probs.dtype)
-        if self.config.grad_wrt == "probs":
-            y = probs - alpha * grad
-        else:  # dE/dy = softmax's Jacobian (symmetric) times dE/dp
-            y = y - alpha * probs * (grad - (probs * grad).sum(-1, keepdim=True))
-        losses = None
-        if targets is not None:
-            with torch.set_grad_enabled(second_order):
-                losses = token_losses(y, targets)
-        return y, energy.detach(), losses
-
-    def forward(self, idx: torch.Tensor, candidate: torch.Tensor, n_steps: int,
-                anchor: torch.Tensor | None = None, targets: torch.Tensor | None = None,
-                alpha_scale: torch.Tensor | None = None, noise_std: float = 0.0,
-                learning: bool = False, final_energy: bool = False,
-                cache: DecodeCache | None = None, stop_tolerance: float | None = None,
-                langevin: Callable[[], torch.Tensor] | None = None) -> DescentResult:
-        """Descend `n_steps` from `candidate` [B, R, V], the initial logits of the last R
-        positions of `idx` [B, T] (R = T for a whole sequence). `targets` [B, R] gives the
-        per-step losses; `alpha_scale` [B, R, 1] multiplies the step size; `learning` builds the
-        second-order graph; `final_energy` also scores the final candidate; a decoding `cache`
-        keeps the observed stream's keys and values across calls (`observe_cached`).
-
-        `stop_tolerance` (inference) stops each position on its own: once a step has changed its
-        energy by less than that fraction of the energy before it, the position keeps its
-        candidate (and loss) and takes no further step; the descent ends when all have stopped,
-        or after n_steps. The energy after step t is the one step t + 1 computes anyway, so the
-        positions still descending are untouched (tolerance 0: the fixed-step descent).
-
-        `langevin` (inference), called once per step, gives that step's unit Gaussian noise
-        [B, R, V] in place of draws from the global RNG, which depend on the batch's shape
-        (`EBT.shared_langevin`).
-
-        `anchor`, in training, is an empty tensor that requires grad, added (as 0) to the
-        observed embeddings, so its gradient is the last one the backward computes. DeepSpeed
-        ZeRO-3 reduces a leaf module's parameter gradients in a full backward hook, which fires
-        once the gradients of the module's positional tensor inputs exist, and at once, before
-        any parameter gradient, when none requires grad (token ids and noise do not)."""
-        cfg = self.config
-        alpha = self.alpha.clamp(min=MIN_ALPHA)
-        if alpha_scale is not None:
-            alpha = alpha * alpha_scale
-        observed = None
-        if cfg.reuse_observed_stream:
-            with torch.set_grad_enabled(learning):
-                observed = self.observe(idx, 0, anchor, cache)
-        checkpointed = learning and cfg.activation_checkpointing == "step"
-        keep_graph = learning and not cfg.detach_between_steps
-        first_row = idx.size(1) - candidate.size(1)
-        y, energies, losses = candidate, [], []
-        descending = steps_taken = None
-        if stop_tolerance is not None:
-            descending = torch.ones(candidate.shape[:2], dtype=torch.bool, device=candidate.device)
-            steps_taken = torch.full(candidate.shape[:2], n_steps, device=candidate.device)
-        with torch.enable_grad():  # the descent differentiates, also under a no_grad caller
-            for t in range(n_steps):
-                step_observed = observed
-                if step_observed is None:  # step conditioning: the observed stream depends on t
-                    with torch.set_grad_enabled(learning):
-                        # checkpointed apart from the step: inside it, the step's autograd.grad
-                        # would recompute and keep these activations until the backward
-                        step_observed = maybe_checkpoint(checkpointed, self.observe, idx, t, anchor, cache)
-                second_order = learning and (t == n_steps - 1 or not cfg.truncate_loss)
-                settings = StepSettings(first_row=first_row, noise_std=noise_std, second_order=second_order,
-                                        keep_graph=keep_graph)
-                if checkpointed:
-                    y, energy, step_losses = CheckpointedStep.apply(
-                        self.step, settings, 2 * len(step_observed), targets, y, alpha,
-                        *(tensor for kv in step_observed for tensor in kv),
-                        *(p for p in self.parameters() if p.requires_grad))
-                else:
-                    y_in = y
-                    if langevin is not None and noise_std:
-                        y_in, settings = y + noise_std * langevin(), settings._replace(noise_std=0.0)
-                    y_next, energy, step_losses = self.step(y_in, step_observed, targets, alpha, settings)
-                    if descending is not None and t > 0:
-                        settled = descending & energy_settled(energies[-1], energy, stop_tolerance)
-                        steps_taken = torch.where(settled, t, steps_taken)
-                        descending = descending & ~settled
-                        if not descending.any():
-                            break  # y holds every position's final candidate
-                        y_next = torch.where(descending.unsqueeze(-1), y_next, y)
-                        if step_losses is not None:
-                            step_losses = torch.where(descending, step_losses, losses[-1])
-                    y = y_next
-                energies.append(energy)
-                losses.append(step_losses)
-        if final_energy:
-            with torch.no_grad():
-                if observed is None:
-                    observed = self.observe(idx, n_steps, cache=cache)
-                embedded = y.softmax(dim=-1).to(self.candidate_table().dtype) @ self.candidate_table()
-                energies.append(self.energy(embedded, observed, first_row))
-        loss = per_token = per_step = None
-        if targets is not None:
-            n_valid = (targets != -1).sum().clamp(min=1)
-            step_means = torch.stack([step_losses.sum() / n_valid for step_losses in losses])
-            loss = step_means[-1] if cfg.truncate_loss else step_means.mean()
-            per_token, per_step = torch.stack(losses).detach(), step_means.detach()
-        return DescentResult(y.detach(), torch.stack(energies), per_token, per_step, loss,
-                             self.alpha.detach().clamp(min=MIN_ALPHA).squeeze(0), steps_taken)
-
-
 class ThinkOutput(NamedTuple):
     logits: torch.Tensor
     """[B, R, V] log-probabilities of the chosen final candidates."""
@@ -452,210 +185,12 @@ class ThinkOutput(NamedTuple):
     """[steps, B, R] cross entropy per position after each step (chosen samples), given targets."""
 
 
-class StepCount:
-    """Descent steps taken by predicted positions, over any number of calls: adaptive thinking's
-    cost (`think` with a stop_tolerance)."""
-
-    def __init__(self):
-        self.steps = 0
-        """Steps summed over the positions counted."""
-        self.positions = 0
-        self.most = 0
-        """The most steps one position took."""
-
-    def add(self, steps_taken: torch.Tensor) -> None:
-        """Count the positions of `steps_taken` (any shape)."""
-        if steps_taken.numel():
-            self.steps += int(steps_taken.sum())
-            self.positions += steps_taken.numel()
-            self.most = max(self.most, int(steps_taken.max()))
-
-    def merge(self, other: StepCount) -> None:
-        self.steps, self.positions = self.steps + other.steps, self.positions + other.positions
-        self.most = max(self.most, other.most)
-
-    @property
-    def mean(self) -> float | None:
-        return self.steps / self.positions if self.positions else None
-
-
-# --- the replay buffer ----------------------------------------------------------------------
-
-def kept_probabilities(config: EBTConfig) -> int:
-    """Probabilities a replay row keeps per position (`replay_top_k`); 0: the whole logits."""
-    return config.replay_top_k if config.replay_top_k < config.vocab_size else 0
-
-
-def replay_layout(config: EBTConfig,
-                  dtype: torch.dtype = torch.float32) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Name -> (shape, dtype) of the tensors of a replay store, with candidates of `dtype` (the
-    training candidate's, float32 unless the model runs in float64)."""
-    rows, T, V, k = config.replay_buffer_size, config.block_size, config.vocab_size, kept_probabilities(config)
-    layout = {"tokens": ((rows, T), torch.long), "targets": ((rows, T), torch.long), "lengths": ((rows,), torch.long)}
-    if k:
-        layout.update(top_logp=((rows, T, k), dtype), top_ids=((rows, T, k), torch.int32), rest_logp=((rows, T), dtype))
-    else:
-        layout["logits"] = ((rows, T, V), dtype)
-    return layout
-
-
-def replay_store_bytes(config: EBTConfig) -> int:
-    """Device bytes of one rank's replay store for `config` (0 without a replay buffer); its
-    checkpoint file holds the same."""
-    if not config.replay_buffer_size:
-        return 0
-    return sum(math.prod(shape) * dtype.itemsize for shape, dtype in replay_layout(config).values())
-
-
-class ReplayStore:
-    """The replay buffer of one rank (S2, Sec. 3.3): a ring of `replay_buffer_size` recent
-    training rows, their tokens, targets and final candidates, which later batches restart from.
-    Plain tensors on the device of the training batches, allocated when the first rows are
-    stored, outside the module's state (so outside DeepSpeed's buffers and the exports): the
-    checkpoint manager saves each rank's store in a file of its own.
-
-    A candidate is kept as the distribution it stands for (`kept`): the `replay_top_k` largest
-    log-probabilities per position with their ids, and one log-probability for every other id
-    (the rest of the mass spread evenly). A replayed row restarts from these log-probabilities as
-    its logits: they differ from a candidate's logits by a constant per position, which the
-    softmax of a descent step, its update and the cross entropy all ignore, so the row restarts
-    from exactly the kept distribution. With top-k off the logits are kept whole."""
-
-    def __init__(self, config: EBTConfig):
-        self.config = config
-        self.top_k = kept_probabilities(config)
-        self.tensors: dict[str, torch.Tensor] = {}
-        """The tensors of `replay_layout`, empty until rows are first stored."""
-        self.next = 0
-        """The slot the next row goes to: the oldest row once the ring is full."""
-
-    def extend(self, idx: torch.Tensor, targets: torch.Tensor, candidate: torch.Tensor):
-        """(idx, targets [B, T], candidate [B, T, V]) followed by round(replay_fraction x B) stored
-        rows of the same length, drawn at random, starting from their stored candidates."""
-        T = idx.size(1)
-        if not self.tensors:
-            return idx, targets, candidate
-        stored = (self.tensors["lengths"] == T).nonzero().flatten()
-        n = min(self.config.replayed_rows(idx.size(0)), stored.numel())
-        if n == 0:
-            return idx, targets, candidate
-        pick = stored[torch.randperm(stored.numel(), device=stored.device)[:n]]
-        return (torch.cat([idx, self.tensors["tokens"][pick, :T]]),
-                torch.cat([targets, self.tensors["targets"][pick, :T]]),
-                torch.cat([candidate, self.candidates(pick, T).to(candidate.dtype)]))
-
-    def candidates(self, slots: torch.Tensor, length: int) -> torch.Tensor:
-        """[len(slots), length, V] logits of the candidates stored at `slots`."""
-        t = self.tensors
-        if not self.top_k:
-            return t["logits"][slots, :length]
-        rest = t["rest_logp"][slots, :length, None].expand(-1, -1, self.config.vocab_size).contiguous()
-        return rest.scatter_(-1, t["top_ids"][slots, :length].long(), t["top_logp"][slots, :length])
-
-    def kept(self, candidate: torch.Tensor) -> dict[str, torch.Tensor]:
-        """What the store keeps of candidate logits [..., V]."""
-        if not self.top_k:
-            return {"logits": candidate}
-        logp = candidate.log_softmax(dim=-1)
-        top = logp.topk(self.top_k, dim=-1, sorted=False)
-        # log(the other ids' probabilities summed / their count), exact however small the rest
-        rest = logp.scatter(-1, top.indices, -math.inf).logsumexp(dim=-1)
-        rest = rest - math.log(self.config.vocab_size - self.top_k)
-        return {"top_logp": top.values, "top_ids": top.indices, "rest_logp": rest}
-
-    @torch.no_grad()
-    def store(self, idx: torch.Tensor, targets: torch.Tensor, final_candidate: torch.Tensor) -> None:
-        """Write the last rows of a batch (as many as the ring holds) over the oldest rows:
-        idx, targets [B, T] and their final candidates [B, T, V]."""
-        rows, T = idx.shape
-        size = self.config.replay_buffer_size
-        keep = min(rows, size)
-        if not self.tensors:
-            self.tensors = {name: torch.zeros(shape, dtype=dtype, device=idx.device)
-                            for name, (shape, dtype) in replay_layout(self.config, final_candidate.dtype).items()}
-        slots = [(self.next + i) % size for i in range(keep)]
-        index = torch.tensor(slots, device=idx.device)
-        self.tensors["tokens"][index, :T] = idx[-keep:]
-        self.tensors["targets"][index, :T] = targets[-keep:]
-        self.tensors["lengths"][index] = T
-        for slot, candidate in zip(slots, final_candidate[-keep:]):  # a row at a time: one [T, V] of scratch
-            for name, value in self.kept(candidate).items():
-                self.tensors[name][slot, :T] = value
-        self.next = (self.next + keep) % size
-
-    def youngest_first(self) -> list[int]:
-        """The slots holding rows, the one stored last first."""
-        if not self.tensors:
-            return []
-        lengths = self.tensors["lengths"].tolist()
-        return [slot for slot in ((self.next - 1 - age) % len(lengths) for age in range(len(lengths))) if lengths[slot]]
-
-    def state_dict(self) -> dict:
-        """The store's layout, ring position and tensors (where they are)."""
-        return {"top_k": self.top_k, "next": self.next, **self.tensors}
-
-    @classmethod
-    def saved(cls, config: EBTConfig, state: dict) -> ReplayStore:
-        """The store a `state_dict` describes, in its own layout, its tensors where they are."""
-        tensors = {name: value for name, value in state.items() if torch.is_tensor(value)}
-        rows = tensors["lengths"].numel() if tensors else config.replay_buffer_size
-        store = cls(replace(config, replay_top_k=state["top_k"], replay_buffer_size=rows))
-        store.tensors, store.next = tensors, state["next"]
-        return store
-
-    def load_state_dict(self, state: dict, device: torch.device) -> None:
-        """Take the rows of a `state_dict` onto `device`: as they are, or converted row by row
-        when they were saved in another layout."""
-        saved = ReplayStore.saved(self.config, state)
-        if replay_layout(saved.config) == replay_layout(self.config):
-            self.tensors, self.next = {name: t.to(device) for name, t in saved.tensors.items()}, saved.next
-        else:
-            self.refill([(saved, slot) for slot in reversed(saved.youngest_first())], device)
-
-    def refill(self, rows: list[tuple[ReplayStore, int]], device: torch.device) -> None:
-        """Empty the store, then store the rows (store, slot) in this order onto `device`."""
-        self.tensors, self.next = {}, 0
-        for source, slot in rows:
-            length = int(source.tensors["lengths"][slot])
-            index = torch.tensor([slot], device=source.tensors["lengths"].device)
-            self.store(source.tensors["tokens"][index, :length].to(device),
-                       source.tensors["targets"][index, :length].to(device),
-                       source.candidates(index, length).to(device))
-
-    def deal(self, saved: dict[int, dict], saved_world: int, rank: int, world: int, device: torch.device) -> None:
-        """This rank's rows after the world size changed from `saved_world` to `world`, from the
-        saved stores of the old ranks `dealt_from` names (old rank -> state): row `age` (0 the
-        youngest) of old rank r goes to rank (r + saved_world x age) mod world, so that the rows
-        are dealt out evenly and none twice, and a rank keeps its youngest replay_buffer_size."""
-        mine = []
-        for old_rank, state in saved.items():
-            store = ReplayStore.saved(self.config, state)
-            mine += [(age, old_rank, store, slot) for age, slot in enumerate(store.youngest_first())
-                     if (old_rank + saved_world * age) % world == rank]
-        mine = sorted(mine, key=lambda row: row[:2])[:self.config.replay_buffer_size]
-        self.refill([(store, slot) for _, _, store, slot in reversed(mine)], device)
-
-    @staticmethod
-    def dealt_from(rank: int, saved_world: int, world: int) -> list[int]:
-        """The old ranks whose rows `deal` can give `rank`."""
-        common = math.gcd(saved_world, world)
-        return [old_rank for old_rank in range(saved_world) if (rank - old_rank) % common == 0]
-
-
-LEGACY_REPLAY_BUFFERS = ("replay_tokens", "replay_targets", "replay_candidates", "replay_lengths", "replay_next")
-"""The registered buffers that held the replay buffer in checkpoints written before `ReplayStore`."""
-
-
 def take_legacy_replay_buffers(model: EBT, state_dict: dict, prefix: str, *_) -> None:
     """Load-state hook: module state from before `ReplayStore` holds the replay buffer as buffers,
     which go into the model's store (in its layout) instead of being unexpected keys."""
     legacy = {name: state_dict.pop(prefix + name) for name in LEGACY_REPLAY_BUFFERS if prefix + name in state_dict}
     if legacy and model.replay_store is not None:
-        logits = legacy["replay_candidates"]
-        state = {"top_k": 0, "next": int(legacy["replay_next"]), "tokens": legacy["replay_tokens"],
-                 "targets": legacy["replay_targets"], "lengths": legacy["replay_lengths"],
-                 "logits": wide(logits)}
-        model.replay_store.load_state_dict(state, model.descent.energy_head.weight.device)
+        model.replay_store.load_legacy(legacy, model.descent.energy_head.weight.device)
 
 
 class EBT(LanguageModel):
@@ -890,7 +425,23 @@ class EBT(LanguageModel):
         return total * (1 + cfg.replay_fraction if cfg.replay_buffer_size else 1)
 
 
-register_family("ebt", EBTConfig, EBT)
+def replay_stores(model: EBT) -> dict[str, Any]:
+    """The model's replay store, the per-rank state each checkpoint keeps (replay_store_NNNNN.pt)."""
+    return {} if model.replay_store is None else {"replay_store": model.replay_store}
+
+
+def largest_step(config: EBTConfig) -> EBTConfig:
+    """The config of a run's largest training step: the randomised number of descent steps at its
+    maximum, and no replay store (which the meta device cannot index: the planner gives the
+    replayed rows as extra rows of the micro-batch and counts the store's bytes apart)."""
+    config = copy.copy(config)  # fields set directly: the values are valid, they only fix a draw
+    config.min_steps = config.replay_buffer_size = 0
+    return config
+
+
+register_family(FamilySpec(
+    "ebt", EBTConfig, EBT, thinks=True, rank_states=replay_stores, rank_state_bytes=replay_store_bytes,
+    replayed_rows=EBTConfig.replayed_rows, largest_step=largest_step, stale_buffers=LEGACY_REPLAY_BUFFERS))
 
 # The paper's recipes at "small" (12L/768/12h; 126.8M with the two V x D tables at V=50304), as the
 # released scripts (the S1/S2 kinds: Appendix C.2; their hyperparameters: Tables D.3 and D.4).

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from pretrain.models.blocks import (LearnedPositionConfig, LearnedPositionLM, check_choice, check_positive,
                                     dropout_module, maybe_checkpoint)
 from pretrain.models.common import KVSlot
-from pretrain.models.registry import register_family, register_flavor
+from pretrain.models.registry import FamilySpec, register_family, register_flavor
 
 ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU}
 
@@ -162,8 +162,8 @@ class GPTRec(LearnedPositionLM):
         return (3 if training else 1) * forward + self.readout_flops(training)
 
 
-register_family("gpt", GPTConfig, GPT)
-register_family("gpt_rec", GPTRecConfig, GPTRec)
+register_family(FamilySpec("gpt", GPTConfig, GPT, hf_model_type="gpt2"))
+register_family(FamilySpec("gpt_rec", GPTRecConfig, GPTRec, recurrent=True))
 
 # GPT-2 small; 124.4M parameters at the padded GPT-2 vocabulary.
 register_flavor("gpt-124m", GPTConfig())

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from pretrain.models.blocks import LMConfig, check_positive, cross_entropy, dropout_module, maybe_checkpoint, wide
 from pretrain.models.common import DecodeCache, LanguageModel, ModelOutput
-from pretrain.models.registry import register_family, register_flavor
+from pretrain.models.registry import FamilySpec, register_family, register_flavor
 
 Rope = tuple[torch.Tensor, torch.Tensor]
 """(cos, signed sin), each [T, head_dim]: the rotary tables for T positions (see
@@ -339,7 +339,7 @@ class TransformerPP(LanguageModel):
         return (3 if training else 1) * forward
 
 
-register_family("transformer_pp", TransformerPPConfig, TransformerPP)
+register_family(FamilySpec("transformer_pp", TransformerPPConfig, TransformerPP, hf_model_type="llama"))
 
 # The EBT paper's "small" Transformer++ baseline: 126.8M with the two V x D tables at V=50304.
 register_flavor("transformer_pp-small", TransformerPPConfig())

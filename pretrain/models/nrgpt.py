@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from pretrain.models.blocks import (LearnedPositionConfig, LearnedPositionLM, check_choice, check_positive,
                                     maybe_checkpoint, no_autocast, wide)
 from pretrain.models.common import DecodeCache, KVSlot
-from pretrain.models.registry import register_family, register_flavor
+from pretrain.models.registry import FamilySpec, register_family, register_flavor
 
 
 @dataclass
@@ -492,7 +492,8 @@ class NRGPT(LearnedPositionLM):
         return (3 if training else 1) * c.n_steps * step + self.readout_flops(training)
 
 
-register_family("nrgpt", NRGPTConfig, NRGPT)
+# its training spikes at learning rates near the best: the spike guard is on by default
+register_family(FamilySpec("nrgpt", NRGPTConfig, NRGPT, recurrent=True, step_energies=True, skips_spikes=True))
 
 # The released OWT model (90.5M) and the same structure at 126.1M (D = 1024: the full heads' head
 # dim is D, and SDPA's fused kernels need a multiple of 8 in bf16; D = 1020 fell to its math kernel).

@@ -10,11 +10,13 @@ from typing import Callable, Iterator
 import torch
 import torch.nn as nn
 
-from pretrain.models.blocks import wide
-from pretrain.models.ebt import token_losses
+from pretrain.models.blocks import token_losses, wide
+from pretrain.models.registry import FAMILIES
 
-DESCENT_FAMILIES = ("gpt_rec", "nrgpt", "ebt")
-"""The families whose forward is a descent, which these probes measure (the others have none)."""
+
+def descending_families() -> list[str]:
+    """The families whose forward is a descent, which these probes measure (the others have none)."""
+    return [name for name, spec in FAMILIES.items() if spec.descends]
 
 MONOTONE_SLACK = 64
 """A rise of a token's energy smaller than this many float32 roundings of its largest |energy|
