@@ -76,8 +76,9 @@ class LanguageModel(nn.Module):
         return torch.cat([idx, *(token[:, None] for token in new)], dim=1)
 
     # A compiled model decodes eagerly: each new context length would be another graph to
-    # compile (dynamo's recompile limit is 8), for a few tokens of sample.
-    @torch.compiler.set_stance("force_eager")
+    # compile (dynamo's recompile limit is 8), for a few tokens of sample. The stance is set
+    # per call, not by a decorator: a decorator imports dynamo (2 s) into every process that
+    # imports a model, compiled or not.
     def next_token_logits(self, idx: torch.Tensor, cache: DecodeCache | None = None) -> torch.Tensor:
         """[B, V] logits for the token after `idx` (without a cache: the whole context), or
         after the tokens in `cache` followed by `idx` (which the cache then holds too); EBT
@@ -85,7 +86,7 @@ class LanguageModel(nn.Module):
         less per op than no_grad, and a decoded token of a small model is a hundred small ops.
         A cache filled here is for further calls of this method only (its tensors are inference
         tensors)."""
-        with torch.inference_mode():
+        with torch.compiler.set_stance("force_eager"), torch.inference_mode():
             logits = self(idx, cache=cache).logits[:, -1, :]
         return logits.clone()  # an ordinary tensor, which callers may edit in place
 
