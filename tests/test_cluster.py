@@ -159,6 +159,32 @@ def test_a_preempted_job_checkpoints_requeues_and_resumes_exactly(slurm, shared,
     assert_same_losses(losses(run), reference_two)
 
 
+def test_a_time_limit_warning_checkpoints_requeues_and_resumes_exactly(slurm, shared, reference_two):
+    """The time limit's warning, `--signal=B:USR1@50` with a 1-minute `--time`, in the default
+    mode (one torchrun per node): checkpoint, requeue (restart 1), resume, every step's loss
+    equal to the uninterrupted one-host run's. Checkpoints stall (fault.checkpoint_stall_file)
+    until the warning has arrived, so that the job cannot finish first."""
+    stall = shared / "stall-time-limited"
+    stall.touch()
+    job = submit(slurm, shared, "--nodes=2", "--time=1", "--signal=B:USR1@50",
+                 overrides=["run_name=time-limited", f"fault.checkpoint_stall_file={stall}"])
+    # slurmctld sends a time limit's signal on its periodic check, 10-40 s into the job here:
+    # during the setup (nothing saved) or the first checkpoint, which waits for it
+    wait_until(lambda: "got USR1" in log(shared, job), "the time limit's warning", timeout=120)
+    # the requeued job keeps its 1-minute limit and would be warned again: room for the rest
+    subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=10"], env=slurm.env, check=True)
+    stall.unlink()
+    fields = slurm.wait_job(job, 240, states=("COMPLETED", "FAILED", "CANCELLED"))
+    output = log(shared, job)
+    assert fields["JobState"] == "COMPLETED", (output + log(shared, job, 0) + log(shared, job, 1))[-3000:]
+    assert fields["Restarts"] == "1"
+    assert f"requeueing job {job}" in output and "restart 1" in output
+    node0 = log(shared, job, 0)
+    assert "saved checkpoint" in node0 and re.search(r"resuming at step \d+", node0)
+    no_traceback(node0 + log(shared, job, 1))
+    assert_same_losses(losses(shared / "runs" / "time-limited"), reference_two)
+
+
 def test_three_nodes_train_like_two_processes_on_one_host(slurm, shared, reference_two):
     """3 nodes, which streaming's partition refuses against its canonical node count (16 here):
     the same global batches as 2 processes on one host, so the same losses, up to the rounding
