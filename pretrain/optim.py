@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from pretrain.config import DECAY_SETS, ConfigError, OptimizerSection, ScheduleSection, TrainSection, ZeroSection
-from pretrain.models import FAMILIES
+from pretrain.models import FamilySpec
 from pretrain.summary import TrainState
 
 
@@ -95,8 +95,8 @@ class SpikeGuard:
         self.state, self.loss, self.grad_norm, self.verdict = TrainState(), math.nan, math.nan, None
 
     @classmethod
-    def for_run(cls, train: TrainSection, family: str) -> SpikeGuard:
-        on = train.skip_spikes == "on" or (train.skip_spikes == "auto" and FAMILIES[family].skips_spikes)
+    def for_run(cls, train: TrainSection, family: FamilySpec) -> SpikeGuard:
+        on = train.skip_spikes == "on" or (train.skip_spikes == "auto" and family.skips_spikes)
         return cls(train.spike_window, train.spike_sigmas, on)
 
     def install(self, engine) -> None:

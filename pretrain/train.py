@@ -166,7 +166,7 @@ class Trainer:
         self.engine = initialize(model, optimizer, deepspeed_config(cfg, self.world_size, self.precision),
                                  compile_backend=cfg.model.compile)
         time_out_every_group(cfg.train.collective_timeout)
-        self.spikes = SpikeGuard.for_run(cfg.train, family_name(self.model_config))
+        self.spikes = SpikeGuard.for_run(cfg.train, family_spec(self.model_config))
         self.spikes.install(self.engine)
         device_name = torch.cuda.get_device_name(self.device) if self.on_gpu else None
         peak = cfg.train.peak_tflops or peak_tflops(device_name, self.precision)

@@ -10,6 +10,7 @@ import torch
 
 import trainer_runs as runs
 from pretrain.config import TrainSection
+from pretrain.models import FAMILIES
 from pretrain.optim import SpikeGuard
 from pretrain.summary import TrainState
 
@@ -54,7 +55,7 @@ def test_the_verdict_is_the_updates_and_an_unjudged_update_is_not_recorded():
 @pytest.mark.parametrize("skip_spikes, family, on", [("auto", "nrgpt", True), ("auto", "gpt", False),
                                                      ("on", "ebt", True), ("off", "nrgpt", False)])
 def test_the_guard_is_on_by_default_for_nrgpt(skip_spikes, family, on):
-    assert SpikeGuard.for_run(TrainSection(skip_spikes=skip_spikes), family).on == on
+    assert SpikeGuard.for_run(TrainSection(skip_spikes=skip_spikes), FAMILIES[family]).on == on
 
 
 def test_without_zero_the_guarded_adamw_vetoes_the_spike(tmp_path):

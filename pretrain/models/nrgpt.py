@@ -414,12 +414,12 @@ class EnergyBlock(nn.Module):
         """[B, T, D]: row A is dE(A)/dg_A (closed form)."""
         return self.attn(g, cache) + self.s_ff * self.ff(g)
 
-    def forward(self, x: torch.Tensor, step: int, return_energy: bool = False, cache: KVSlot | None = None):
+    def forward(self, x: torch.Tensor, step: int, return_energies: bool = False, cache: KVSlot | None = None):
         """(next state, [B, T] energies at x or None); with a decoding cache (this step's), x
         holds the new tokens."""
         g = self.norm(x)
         energy = None
-        if return_energy:
+        if return_energies:
             with torch.no_grad():
                 energy = self.energy(g)
         return x - self.eta(self.energy_gradient(g, cache), step, self.norm.weight), energy
@@ -435,17 +435,17 @@ class Recurrence(nn.Module):
         self.config = config
         self.block = EnergyBlock(config)
 
-    def forward(self, x: torch.Tensor, want_energy: bool,
+    def forward(self, x: torch.Tensor, return_energies: bool,
                 cache: DecodeCache | None = None) -> tuple[torch.Tensor, dict]:
         checkpointed = self.config.activation_checkpointing != "off"
         energies = []
         for step in range(self.config.n_steps):
             # token A's state at step t depends on tokens <= A only: each step's keys are cached
             slot = None if cache is None else cache.slot(step)
-            x, energy = maybe_checkpoint(checkpointed, self.block, x, step, want_energy, slot)
+            x, energy = maybe_checkpoint(checkpointed, self.block, x, step, return_energies, slot)
             energies.append(energy)
         diagnostics = {"s_ff": self.block.s_ff.detach()[0], "eta_scale": self.block.eta.scale()}
-        if want_energy:
+        if return_energies:
             per_token = torch.stack(energies)  # [S, B, T]
             diagnostics["energy"] = per_token.mean(dim=(1, 2))
             diagnostics["_token_energy"] = per_token
