@@ -282,6 +282,7 @@ class Trainer:
             inputs = inputs.to(self.device, non_blocking=True)
             targets = targets.to(self.device, non_blocking=True)
             last_micro = micro == self.split.accumulation_steps - 1
+            engine.module.seed_shared_draws(f"{cfg.seed}/{step}/{micro}")
             out = engine(inputs, targets, return_energies=log_now and last_micro)
             loss = self.faults.loss(out.loss.float(), step + 1, last_micro)
             finite = torch.isfinite(loss)

@@ -256,6 +256,7 @@ def test_prediction_never_sees_its_target_or_later_tokens(overrides, training):
 
     def outputs(tokens):
         torch.manual_seed(7)  # the same candidate noise (and training randomness) every call
+        model.seed_shared_draws("7")  # and the same step count
         out = model(tokens, targets, return_energies=True)
         return out.logits, out.diagnostics["_token_energy"]
 
@@ -374,6 +375,29 @@ def test_randomised_step_sizes_and_step_counts_cover_their_ranges():
     assert model.sample_alpha_scale(4, 8, torch.device("cpu")) is None
     assert {model(idx, targets).diagnostics["energy"].numel() for _ in range(3)} == {3}
     assert tiny().train().sample_alpha_scale(4, 8, torch.device("cpu")) is None  # S1: fixed
+
+
+def test_step_counts_come_from_the_shared_draws_not_the_global_rng():
+    """Ranks differ in their global RNG (each its own candidate noise); seeded alike, as the
+    trainer seeds every rank before each micro-step, they draw the same step counts, uniform
+    over [min_steps, n_steps]."""
+    drawn = []
+    for rank in (0, 1):
+        model = tiny(**S2_OPTIONS).train()
+        torch.manual_seed(100 + rank)
+        idx, targets = data(model)
+        counts = []
+        for micro in range(12):
+            model.seed_shared_draws(f"7/{micro // 2}/{micro % 2}")
+            counts.append(model(idx, targets).diagnostics["loss_per_step"].numel())
+        drawn.append(counts)
+    assert drawn[0] == drawn[1] and set(drawn[0]) == {2, 3}
+    model = tiny(**{**S2_OPTIONS, "n_steps": 5}).train()
+    model.seed_shared_draws("7/0/0")
+    counts = torch.tensor([model.sample_num_steps() for _ in range(4000)])
+    frequencies = torch.bincount(counts, minlength=6)[2:] / counts.numel()
+    assert counts.min() == 2 and counts.max() == 5
+    assert (frequencies - 0.25).abs().max() < 0.03  # 4.4 standard deviations of 4000 draws
 
 
 def test_langevin_noise_only_in_training():
@@ -732,7 +756,9 @@ def test_optimizer_hints_and_zero3_leaf():
 def test_zero3_gives_the_zero2_losses_through_the_second_order_descent(tmp_path):
     """Two processes, DeepSpeed ZeRO-2 then ZeRO-3 (the descent a leaf module): the same
     per-step losses for S1 with step-checkpointed descent and for S2 (keep graph, truncation,
-    replay buffer, Langevin noise)."""
+    replay buffer, Langevin noise, random step counts). Each rank has its own global RNG (data,
+    candidate noise), yet both draw S2's step counts alike: no rank waits for another's
+    longer descent at the gradient reduction."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -744,8 +770,11 @@ def test_zero3_gives_the_zero2_losses_through_the_second_order_descent(tmp_path)
                           str(repo / "tests" / "ebt_zero_worker.py"), str(out)],
                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    losses = json.loads(out.read_text())
+    results = json.loads(out.read_text())
     for recipe in ("s1-step-checkpointed", "s2"):
-        zero2, zero3 = losses[f"{recipe}/zero2"], losses[f"{recipe}/zero3"]
+        zero2, zero3 = results[f"{recipe}/zero2"]["losses"], results[f"{recipe}/zero3"]["losses"]
         assert len(zero2) == 3 and len(set(zero2)) == 3  # the updates change the model
         assert zero3 == pytest.approx(zero2, rel=1e-5), recipe
+    for stage in (2, 3):
+        rank0, rank1 = results[f"s2/zero{stage}"]["steps"]
+        assert rank0 == rank1 and set(rank0) == {2, 3}, (stage, rank0, rank1)
