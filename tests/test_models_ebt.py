@@ -20,6 +20,7 @@ from pretrain.models.ebt import EBT, EBTConfig
 from pretrain.models.ebt_attention import two_stream_attention
 from pretrain.models.ebt_descent import EnergyDescent, stream_attention
 from pretrain.models.llama import apply_rotary, causal_attention, rotary_tables
+from pretrain.models import replay
 from pretrain.models.replay import ReplayStore, replay_store_bytes
 from pretrain.weights import load_weights
 
@@ -466,6 +467,30 @@ def test_a_compact_store_keeps_the_top_k_probabilities_and_spreads_the_rest_even
     assert torch.allclose(restarted, expected, atol=1e-15, rtol=1e-12)
     assert (restarted - probs).abs().max() > 1e-3  # the tail is not kept
     assert store.tensors["top_ids"].dtype == torch.int32 and "logits" not in store.tensors
+
+
+def test_the_store_keeps_rows_several_at_a_time_as_it_would_one_by_one(monkeypatch):
+    """Rows are kept in chunks of up to STORE_CHUNK_BYTES of candidate (a few kernels for small
+    rows); below one row's bytes, one row at a time (one row's scratch). Either way the same."""
+    model = tiny(replay_buffer_size=5, replay_top_k=4).train()
+    idx, targets = data(model, batch=4)
+    final = 3 * candidate(model, idx)
+    stores = []
+    for chunk_bytes in (1, 3 * final[0].nbytes, 100 * final[0].nbytes):
+        monkeypatch.setattr(replay, "STORE_CHUNK_BYTES", chunk_bytes)
+        store = ReplayStore(model.config)
+        store.store(idx, targets, final)
+        store.store(idx.flip(0), targets.flip(0), final.flip(0))  # wraps the ring: slots 4, 0, 1, 2
+        stores.append(store)
+    for store in stores:
+        assert store.lengths == [6] * 5 and store.next == 3 and store.tensors.keys() == stores[0].tensors.keys()
+        assert store.youngest_first() == [2, 1, 0, 4, 3]
+        for name, tensor in store.tensors.items():
+            assert torch.equal(tensor, stores[0].tensors[name]), name
+    for slot, row in ((3, 3), (4, 3), (0, 2), (1, 1), (2, 0)):  # slot 3 kept from the first batch
+        assert torch.equal(stores[0].tensors["tokens"][slot, :6], idx[row])
+        for name, value in stores[0].kept(final[row]).items():
+            assert torch.equal(stores[0].tensors[name][slot, :6], value.to(stores[0].tensors[name].dtype)), name
 
 
 def test_a_descent_restarts_the_same_from_any_logits_of_one_distribution():
