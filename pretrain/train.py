@@ -282,6 +282,7 @@ class Trainer:
             inputs = inputs.to(self.device, non_blocking=True)
             targets = targets.to(self.device, non_blocking=True)
             last_micro = micro == self.split.accumulation_steps - 1
+            engine.module.seed_shared_draws(f"{cfg.seed}/{step}/{micro}")
             out = engine(inputs, targets, return_energies=log_now and last_micro)
             loss = self.faults.loss(out.loss.float(), step + 1, last_micro)
             finite = torch.isfinite(loss)
@@ -294,7 +295,8 @@ class Trainer:
                 if log_now and self.rank == 0:
                     diagnostics = diagnostic_scalars(out.diagnostics, family_name(self.model_config))
                 # the update's loss over all ranks, before the optimizer step the spike guard vetoes
-                stop_requested = torch.tensor(float(self.stops.signum != 0), device=self.device)
+                # filled on the device: torch.tensor(flag, device=...) would be a copy that waits for the backward
+                stop_requested = torch.full((), float(self.stops.signum != 0), device=self.device)
                 stats = torch.stack([loss_sum, nonfinite, stop_requested])
                 dist.all_reduce(stats)
                 loss_total, nonfinite_total, stop = stats.tolist()

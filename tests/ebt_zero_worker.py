@@ -1,7 +1,7 @@
 """Worker of test_models_ebt.py's DeepSpeed test, run under `torchrun --nproc_per_node=2`:
-trains a tiny EBT (S1, step-checkpointed descent, and S2) for a few steps under ZeRO-2 and
-ZeRO-3 in the same two processes and writes every step's loss, per stage and recipe, to the
-JSON file named by argv[1] (rank 0)."""
+trains a tiny EBT (S1, step-checkpointed descent, and S2 with its random step counts) for a few
+steps under ZeRO-2 and ZeRO-3 in the same two processes and writes every step's loss and each
+rank's descent step counts, per stage and recipe, to the JSON file named by argv[1] (rank 0)."""
 import gc
 import json
 import sys
@@ -14,12 +14,12 @@ from pretrain.models import build, resolve
 
 RECIPES = {
     "s1-step-checkpointed": ("ebt-tiny", dict(activation_checkpointing="step")),
-    "s2": ("ebt-s2-tiny", dict(min_steps=0)),  # fixed step count: the same work on both ranks
+    "s2": ("ebt-s2-tiny", {}),
 }
 SHAPE = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16)
 
 
-def train(flavor: str, overrides: dict, stage: int, rank: int) -> list[float]:
+def train(flavor: str, overrides: dict, stage: int, rank: int) -> dict[str, list]:
     torch.manual_seed(0)
     model = build(resolve(flavor, {**SHAPE, **overrides}))
     if stage == 3:
@@ -30,19 +30,23 @@ def train(flavor: str, overrides: dict, stage: int, rank: int) -> list[float]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     torch.manual_seed(100 + rank)  # each rank its own data and candidate noise, the same per stage
-    losses = []
-    for _ in range(3):
+    losses, steps = [], []
+    for step in range(3):
         tokens = torch.randint(0, SHAPE["vocab_size"], (4, 17))
-        loss = engine(tokens[:, :-1], tokens[:, 1:]).loss
-        engine.backward(loss)
+        engine.module.seed_shared_draws(f"0/{step}/0")  # as the trainer does, from (seed, step, micro-step)
+        out = engine(tokens[:, :-1], tokens[:, 1:])
+        engine.backward(out.loss)
         engine.step()
-        losses.append(loss.item())
+        losses.append(out.loss.item())
+        steps.append(out.diagnostics["loss_per_step"].numel())
+    every_rank_steps = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(every_rank_steps, steps)
     # Released now, as the trainer's close does: an engine left to interpreter shutdown, after
     # the process group is gone, occasionally aborted the process at exit ("terminate called
     # without an active exception").
     del engine, optimizer, model
     gc.collect()
-    return losses
+    return {"losses": losses, "steps": every_rank_steps}
 
 
 def main() -> None:

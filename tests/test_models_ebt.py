@@ -20,6 +20,7 @@ from pretrain.models.ebt import EBT, EBTConfig
 from pretrain.models.ebt_attention import two_stream_attention
 from pretrain.models.ebt_descent import EnergyDescent, stream_attention
 from pretrain.models.llama import apply_rotary, causal_attention, rotary_tables
+from pretrain.models import replay
 from pretrain.models.replay import ReplayStore, replay_store_bytes
 from pretrain.weights import load_weights
 
@@ -256,6 +257,7 @@ def test_prediction_never_sees_its_target_or_later_tokens(overrides, training):
 
     def outputs(tokens):
         torch.manual_seed(7)  # the same candidate noise (and training randomness) every call
+        model.seed_shared_draws("7")  # and the same step count
         out = model(tokens, targets, return_energies=True)
         return out.logits, out.diagnostics["_token_energy"]
 
@@ -376,6 +378,29 @@ def test_randomised_step_sizes_and_step_counts_cover_their_ranges():
     assert tiny().train().sample_alpha_scale(4, 8, torch.device("cpu")) is None  # S1: fixed
 
 
+def test_step_counts_come_from_the_shared_draws_not_the_global_rng():
+    """Ranks differ in their global RNG (each its own candidate noise); seeded alike, as the
+    trainer seeds every rank before each micro-step, they draw the same step counts, uniform
+    over [min_steps, n_steps]."""
+    drawn = []
+    for rank in (0, 1):
+        model = tiny(**S2_OPTIONS).train()
+        torch.manual_seed(100 + rank)
+        idx, targets = data(model)
+        counts = []
+        for micro in range(12):
+            model.seed_shared_draws(f"7/{micro // 2}/{micro % 2}")
+            counts.append(model(idx, targets).diagnostics["loss_per_step"].numel())
+        drawn.append(counts)
+    assert drawn[0] == drawn[1] and set(drawn[0]) == {2, 3}
+    model = tiny(**{**S2_OPTIONS, "n_steps": 5}).train()
+    model.seed_shared_draws("7/0/0")
+    counts = torch.tensor([model.sample_num_steps() for _ in range(4000)])
+    frequencies = torch.bincount(counts, minlength=6)[2:] / counts.numel()
+    assert counts.min() == 2 and counts.max() == 5
+    assert (frequencies - 0.25).abs().max() < 0.03  # 4.4 standard deviations of 4000 draws
+
+
 def test_langevin_noise_only_in_training():
     noisy, quiet = tiny(langevin_noise_std=3.0), tiny()
     idx, targets = data(noisy)
@@ -442,6 +467,30 @@ def test_a_compact_store_keeps_the_top_k_probabilities_and_spreads_the_rest_even
     assert torch.allclose(restarted, expected, atol=1e-15, rtol=1e-12)
     assert (restarted - probs).abs().max() > 1e-3  # the tail is not kept
     assert store.tensors["top_ids"].dtype == torch.int32 and "logits" not in store.tensors
+
+
+def test_the_store_keeps_rows_several_at_a_time_as_it_would_one_by_one(monkeypatch):
+    """Rows are kept in chunks of up to STORE_CHUNK_BYTES of candidate (a few kernels for small
+    rows); below one row's bytes, one row at a time (one row's scratch). Either way the same."""
+    model = tiny(replay_buffer_size=5, replay_top_k=4).train()
+    idx, targets = data(model, batch=4)
+    final = 3 * candidate(model, idx)
+    stores = []
+    for chunk_bytes in (1, 3 * final[0].nbytes, 100 * final[0].nbytes):
+        monkeypatch.setattr(replay, "STORE_CHUNK_BYTES", chunk_bytes)
+        store = ReplayStore(model.config)
+        store.store(idx, targets, final)
+        store.store(idx.flip(0), targets.flip(0), final.flip(0))  # wraps the ring: slots 4, 0, 1, 2
+        stores.append(store)
+    for store in stores:
+        assert store.lengths == [6] * 5 and store.next == 3 and store.tensors.keys() == stores[0].tensors.keys()
+        assert store.youngest_first() == [2, 1, 0, 4, 3]
+        for name, tensor in store.tensors.items():
+            assert torch.equal(tensor, stores[0].tensors[name]), name
+    for slot, row in ((3, 3), (4, 3), (0, 2), (1, 1), (2, 0)):  # slot 3 kept from the first batch
+        assert torch.equal(stores[0].tensors["tokens"][slot, :6], idx[row])
+        for name, value in stores[0].kept(final[row]).items():
+            assert torch.equal(stores[0].tensors[name][slot, :6], value.to(stores[0].tensors[name].dtype)), name
 
 
 def test_a_descent_restarts_the_same_from_any_logits_of_one_distribution():
@@ -732,7 +781,9 @@ def test_optimizer_hints_and_zero3_leaf():
 def test_zero3_gives_the_zero2_losses_through_the_second_order_descent(tmp_path):
     """Two processes, DeepSpeed ZeRO-2 then ZeRO-3 (the descent a leaf module): the same
     per-step losses for S1 with step-checkpointed descent and for S2 (keep graph, truncation,
-    replay buffer, Langevin noise)."""
+    replay buffer, Langevin noise, random step counts). Each rank has its own global RNG (data,
+    candidate noise), yet both draw S2's step counts alike: no rank waits for another's
+    longer descent at the gradient reduction."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -744,8 +795,11 @@ def test_zero3_gives_the_zero2_losses_through_the_second_order_descent(tmp_path)
                           str(repo / "tests" / "ebt_zero_worker.py"), str(out)],
                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    losses = json.loads(out.read_text())
+    results = json.loads(out.read_text())
     for recipe in ("s1-step-checkpointed", "s2"):
-        zero2, zero3 = losses[f"{recipe}/zero2"], losses[f"{recipe}/zero3"]
+        zero2, zero3 = results[f"{recipe}/zero2"]["losses"], results[f"{recipe}/zero3"]["losses"]
         assert len(zero2) == 3 and len(set(zero2)) == 3  # the updates change the model
         assert zero3 == pytest.approx(zero2, rel=1e-5), recipe
+    for stage in (2, 3):
+        rank0, rank1 = results[f"s2/zero{stage}"]["steps"]
+        assert rank0 == rank1 and set(rank0) == {2, 3}, (stage, rank0, rank1)

@@ -66,6 +66,14 @@ class LanguageModel(nn.Module):
         """Module classes DeepSpeed ZeRO-3 must gather whole (e.g. loops that call autograd.grad)."""
         return []
 
+    def seed_shared_draws(self, seed: str) -> None:
+        """Seed the random draws that set how much work a training forward does (EBT's number of
+        descent steps). Every rank must draw them alike: ZeRO reduces the gradients at every
+        micro-step, so the rank with the most work would set every rank's pace. The trainer
+        seeds them before each micro-step from the run's seed, the step and the micro-step:
+        the same on every rank, and again in a resumed run. Families without such draws have
+        nothing to seed."""
+
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int | None = None) -> torch.Tensor:

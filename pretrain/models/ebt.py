@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import random
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
@@ -57,7 +58,7 @@ class EBTConfig(LlamaConfig):
     number used at eval."""
     min_steps: int = 0
     """If > 0, training draws the number of steps uniformly from [min_steps, n_steps] once per
-    batch (S2: 2..3)."""
+    batch (S2: 2..3), the same on every rank (`seed_shared_draws`)."""
     alpha: float = 500.0
     """Descent step size (the initial value when learnable): the released S1 recipe starts at
     500, S2 keeps 5."""
@@ -213,6 +214,7 @@ class EBT(LanguageModel):
             # (with N(0, init_std), ebt-s1-small's first-step loss was 1054 nats, ~100 ln V).
             nn.init.normal_(self.descent.energy_head.weight, std=config.init_std / config.alpha)
         self.replay_store = ReplayStore(config) if config.replay_buffer_size else None
+        self.seed_shared_draws("0")  # until the trainer seeds them: models built alike draw alike
         self.register_load_state_dict_pre_hook(take_legacy_replay_buffers)
 
     # --- randomness -----------------------------------------------------------------------
@@ -241,11 +243,15 @@ class EBT(LanguageModel):
         generator = torch.Generator(device=device).manual_seed(self.config.eval_seed + 1)
         return lambda: self.gaussian(best_of, span, device, generator)[:, :length].repeat_interleave(rows, dim=0)
 
+    def seed_shared_draws(self, seed: str) -> None:
+        self.shared_draws = random.Random(seed)
+
     def sample_num_steps(self) -> int:
-        """Training: uniform in [min_steps, n_steps] when randomised; n_steps otherwise."""
+        """Training: uniform in [min_steps, n_steps] when randomised (from the draws every rank
+        shares, not the global RNG); n_steps otherwise."""
         cfg = self.config
         if self.training and cfg.min_steps:
-            return int(torch.randint(cfg.min_steps, cfg.n_steps + 1, ()).item())
+            return self.shared_draws.randint(cfg.min_steps, cfg.n_steps)
         return cfg.n_steps
 
     def sample_alpha_scale(self, rows: int, length: int, device: torch.device) -> torch.Tensor | None:

@@ -13,6 +13,9 @@ import torch
 
 from pretrain.models.blocks import wide
 
+STORE_CHUNK_BYTES = 16 * 2**20
+"""The most candidate bytes `ReplayStore.store` keeps at once, unless one row is larger."""
+
 LEGACY_REPLAY_BUFFERS = ("replay_tokens", "replay_targets", "replay_candidates", "replay_lengths", "replay_next")
 """The registered buffers that held the replay buffer in checkpoints written before `ReplayStore`."""
 
@@ -62,6 +65,9 @@ class ReplayStore:
         self.top_k = kept_probabilities(config)
         self.tensors: dict[str, torch.Tensor] = {}
         """The tensors of `replay_layout`, empty until rows are first stored."""
+        self.lengths: list[int] = []
+        """Each slot's row length (0: empty) as tensors["lengths"] has it, kept on the host too:
+        `extend` sizes the batch from it without waiting for the device."""
         self.next = 0
         """The slot the next row goes to: the oldest row once the ring is full."""
 
@@ -69,13 +75,14 @@ class ReplayStore:
         """(idx, targets [B, T], candidate [B, T, V]) followed by round(replay_fraction x B) stored
         rows of the same length, drawn at random, starting from their stored candidates."""
         T = idx.size(1)
-        if not self.tensors:
-            return idx, targets, candidate
-        stored = (self.tensors["lengths"] == T).nonzero().flatten()
-        n = min(self.config.replayed_rows(idx.size(0)), stored.numel())
+        stored = self.lengths.count(T)
+        n = min(self.config.replayed_rows(idx.size(0)), stored)
         if n == 0:
             return idx, targets, candidate
-        pick = stored[torch.randperm(stored.numel(), device=stored.device)[:n]]
+        lengths = self.tensors["lengths"]
+        # nonzero with its size known on the host: the same slots as nonzero(), without a sync
+        slots = torch.nonzero_static(lengths == T, size=stored).flatten()
+        pick = slots[torch.randperm(stored, device=lengths.device)[:n]]
         return (torch.cat([idx, self.tensors["tokens"][pick, :T]]),
                 torch.cat([targets, self.tensors["targets"][pick, :T]]),
                 torch.cat([candidate, self.candidates(pick, T).to(candidate.dtype)]))
@@ -94,8 +101,9 @@ class ReplayStore:
             return {"logits": candidate}
         logp = candidate.log_softmax(dim=-1)
         top = logp.topk(self.top_k, dim=-1, sorted=False)
-        # log(the other ids' probabilities summed / their count), exact however small the rest
-        rest = logp.scatter(-1, top.indices, -math.inf).logsumexp(dim=-1)
+        # log(the other ids' probabilities summed / their count), exact however small the rest;
+        # in place (topk's values are a copy): one [..., V] of scratch fewer
+        rest = logp.scatter_(-1, top.indices, -math.inf).logsumexp(dim=-1)
         rest = rest - math.log(self.config.vocab_size - self.top_k)
         return {"top_logp": top.values, "top_ids": top.indices, "rest_logp": rest}
 
@@ -109,21 +117,26 @@ class ReplayStore:
         if not self.tensors:
             self.tensors = {name: torch.zeros(shape, dtype=dtype, device=idx.device)
                             for name, (shape, dtype) in replay_layout(self.config, final_candidate.dtype).items()}
-        slots = [(self.next + i) % size for i in range(keep)]
-        index = torch.tensor(slots, device=idx.device)
+            self.lengths = [0] * size
+        # the slots computed where the rows are: an index built on the host would be a copy that waits for the device
+        index = (torch.arange(keep, device=idx.device) + self.next) % size
         self.tensors["tokens"][index, :T] = idx[-keep:]
         self.tensors["targets"][index, :T] = targets[-keep:]
         self.tensors["lengths"][index] = T
-        for slot, candidate in zip(slots, final_candidate[-keep:]):  # a row at a time: one [T, V] of scratch
-            for name, value in self.kept(candidate).items():
-                self.tensors[name][slot, :T] = value
+        # as many rows at a time as fit STORE_CHUNK_BYTES (at least one): a few kernels for small
+        # rows, and for rows over it the one row's scratch of keeping rows one by one
+        rows_per_chunk = max(1, STORE_CHUNK_BYTES // final_candidate[0].nbytes)
+        for slots, candidates in zip(index.split(rows_per_chunk), final_candidate[-keep:].split(rows_per_chunk)):
+            for name, value in self.kept(candidates).items():
+                kept = self.tensors[name]
+                kept[slots, :T] = value.to(kept.dtype)  # top-k ids: int64 -> int32
+        for i in range(keep):
+            self.lengths[(self.next + i) % size] = T
         self.next = (self.next + keep) % size
 
     def youngest_first(self) -> list[int]:
         """The slots holding rows, the one stored last first."""
-        if not self.tensors:
-            return []
-        lengths = self.tensors["lengths"].tolist()
+        lengths = self.lengths
         return [slot for slot in ((self.next - 1 - age) % len(lengths) for age in range(len(lengths))) if lengths[slot]]
 
     def state_dict(self) -> dict:
@@ -137,6 +150,7 @@ class ReplayStore:
         rows = tensors["lengths"].numel() if tensors else config.replay_buffer_size
         store = cls(replace(config, replay_top_k=state["top_k"], replay_buffer_size=rows))
         store.tensors, store.next = tensors, state["next"]
+        store.lengths = tensors["lengths"].tolist() if tensors else []
         return store
 
     def load_state_dict(self, state: dict, device: torch.device) -> None:
@@ -145,6 +159,7 @@ class ReplayStore:
         saved = ReplayStore.saved(self.config, state)
         if replay_layout(saved.config) == replay_layout(self.config):
             self.tensors, self.next = {name: t.to(device) for name, t in saved.tensors.items()}, saved.next
+            self.lengths = saved.lengths
         else:
             self.refill([(saved, slot) for slot in reversed(saved.youngest_first())], device)
 
@@ -158,9 +173,9 @@ class ReplayStore:
 
     def refill(self, rows: list[tuple[ReplayStore, int]], device: torch.device) -> None:
         """Empty the store, then store the rows (store, slot) in this order onto `device`."""
-        self.tensors, self.next = {}, 0
+        self.tensors, self.lengths, self.next = {}, [], 0
         for source, slot in rows:
-            length = int(source.tensors["lengths"][slot])
+            length = source.lengths[slot]
             index = torch.tensor([slot], device=source.tensors["lengths"].device)
             self.store(source.tensors["tokens"][index, :length].to(device),
                        source.tensors["targets"][index, :length].to(device),
