@@ -21,7 +21,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/lint-imports --no-cache
-	$(PY) -m pytest -q -n 2 --dist loadfile tests
+	$(PY) -m pytest -q tests
 
 bench-data: $(STAMP)
 	$(PY) -m bench.data

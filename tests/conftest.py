@@ -24,25 +24,6 @@ AWKWARD_DOCS = [
 ]
 
 
-CLUSTER_TESTS = "tests/test_cluster.py"
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):
-    """`make test` runs two workers, each taking whole modules, largest first. The Slurm
-    cluster's module goes first instead: its jobs mostly wait on Slurm, so it overlaps the
-    CPU-bound rest rather than running alone at the end."""
-    from xdist.scheduler import LoadFileScheduling
-
-    class ClusterFirst(LoadFileScheduling):
-        def _assign_work_unit(self, node):
-            if CLUSTER_TESTS in self.workqueue:
-                self.workqueue.move_to_end(CLUSTER_TESTS, last=False)
-            super()._assign_work_unit(node)
-
-    return ClusterFirst(config, log)
-
-
 @pytest.fixture(scope="session")
 def corpus_docs() -> list[str]:
     """~600 documents: one per speech of the first plays, then the awkward strings."""

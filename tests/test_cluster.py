@@ -160,17 +160,18 @@ def test_a_preempted_job_checkpoints_requeues_and_resumes_exactly(slurm, shared,
 
 
 def test_a_time_limit_warning_checkpoints_requeues_and_resumes_exactly(slurm, shared, reference_two):
-    """The time limit's warning, `--signal=B:USR1@50` with a 1-minute `--time`, in the default
+    """The time limit's warning, `--signal=B:USR1@70` with a 2-minute `--time`, in the default
     mode (one torchrun per node): checkpoint, requeue (restart 1), resume, every step's loss
     equal to the uninterrupted one-host run's. Checkpoints stall (fault.checkpoint_stall_file)
-    until the warning has arrived, so that the job cannot finish first."""
+    until the warning has arrived, so that the job cannot finish first; the warning comes 50-80 s
+    into the job, after its first checkpoint has begun (a warning during the setup would stop
+    the job before anything is saved, and its requeue would start afresh)."""
     stall = shared / "stall-time-limited"
     stall.touch()
-    job = submit(slurm, shared, "--nodes=2", "--time=1", "--signal=B:USR1@50",
+    job = submit(slurm, shared, "--nodes=2", "--time=2", "--signal=B:USR1@70",
                  overrides=["run_name=time-limited", f"fault.checkpoint_stall_file={stall}"])
-    # slurmctld sends a time limit's signal on its periodic check, 10-40 s into the job here:
-    # during the setup (nothing saved) or the first checkpoint, which waits for it
-    wait_until(lambda: "got USR1" in log(shared, job), "the time limit's warning", timeout=120)
+    # slurmctld sends a time limit's signal on its periodic check (every 30 s)
+    wait_until(lambda: "got USR1" in log(shared, job), "the time limit's warning", timeout=150)
     # the requeued job keeps its 1-minute limit and would be warned again: room for the rest
     subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=10"], env=slurm.env, check=True)
     stall.unlink()
