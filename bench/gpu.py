@@ -342,12 +342,22 @@ def measure_training(case: Case, settings: Settings, cap_s: float, result: dict)
 
 ENERGY_HEAD = "descent.energy_head.weight"
 """EBT's energy head: its gradient comes only through the second-order backward."""
-BF16_TOLERANCE = {"loss": 5e-3, "grads": 1e-1}
-"""Relative errors allowed against the float32 reference: |loss - ref| / |ref|, and for the
-gradients the largest ||g - g_ref|| / ||g_ref|| over the parameter tensors (the energy head's
-gradient, reached only through the second-order backward, among them). On CPU, bf16 gave
-3-6e-5 for the loss and 1-2.4e-2 for the worst tensor up to 4 layers at T=256
-(docs/benchmarks.md, "GPU (H200)")."""
+BF16_MARGIN = 3.0
+"""The bf16 check's gradient tolerance over the largest gradient error `bench.precision` measured
+in pure bf16. Those are whole parameter groups at D = 64; the check takes the worst single
+tensor of ebt-s1-small (D = 768), which reached 1.7x the largest of them at T = 128 on the CPU
+(docs/benchmarks.md); the GPU's T = 1024 is not measured yet."""
+
+
+def bf16_tolerance() -> dict[str, float]:
+    """Relative errors allowed against the float32 reference: |loss - ref| / |ref| (bf16 gave
+    3-6e-5 on the CPU), and for the gradients the largest ||g - g_ref|| / ||g_ref|| over the
+    parameter tensors (the energy head's, reached only through the second-order backward, among
+    them): BF16_MARGIN times the largest of `bench.precision.BF16_GRADIENT_ERRORS`."""
+    from bench.precision import BF16_GRADIENT_ERRORS
+
+    worst = max(error for groups in BF16_GRADIENT_ERRORS.values() for error in groups.values())
+    return {"loss": 5e-3, "grads": BF16_MARGIN * worst}
 
 
 def check_bf16(case: Case, settings: Settings, cap_s: float, result: dict) -> None:
@@ -384,13 +394,13 @@ def check_bf16(case: Case, settings: Settings, cap_s: float, result: dict) -> No
         torch.set_float32_matmul_precision(matmul_precision)
     result.update(reference_loss=ref_loss, energy_head_grad_norm=ref_grads[ENERGY_HEAD].norm().item())
     loss, grads = loss_and_grads(copy.deepcopy(reference).to(torch.bfloat16))
-    result.update(compare_to_reference(loss, grads, ref_loss, ref_grads, BF16_TOLERANCE))
+    result.update(compare_to_reference(loss, grads, ref_loss, ref_grads, bf16_tolerance()))
     if not result["pass"]:
         result.update(status="failed", error="bf16 beyond its tolerance")
 
 
 def compare_to_reference(loss: float, grads: dict, ref_loss: float, ref_grads: dict, tolerance: dict) -> dict:
-    """Relative errors of the loss and gradients (see BF16_TOLERANCE)."""
+    """Relative errors of the loss and gradients (see `bf16_tolerance`)."""
     per_tensor = {n: ((grads[n] - g).norm() / g.norm()).item()
                   for n, g in ref_grads.items() if n in grads and g.norm() > 0}
     worst = max(per_tensor, key=per_tensor.get)
