@@ -13,18 +13,21 @@ start-up included:
 - EBT's second-order numerics at paper depth (12 layers, T=1024): loss and every gradient in
   bf16 against a float32 reference.
 
-    python -m bench.gpu [--out DIR] [--budget-s 300] [--only TEXT ...]
+    python -m bench.gpu [--out DIR] [--budget-s 300] [--only TEXT ...] [--dry-run]
     python -m bench.gpu --device cpu --tiny --out DIR    # the same code path on tiny flavors (CI)
     bench/gpu.sh [ARGS]                                  # installs carried wheels first if needed
+    bench/gpu.sh --dry-run [ARGS]                        # the plan and the wheels it needs; no GPU
 
-One worker process runs the cases in turn, each under a time cap that an alarm signal enforces
-inside it. This process schedules and reports: a hang inside a CUDA call or a compile, which no
-signal handler reaches, or a crash of the worker still leaves a report, because this process
-kills a worker that overruns a case's cap, reports that case, and starts another worker for the
-cases after it while the budget allows. DIR/gpu.json and DIR/gpu.md are rewritten as each case
-starts and ends; a case that runs out of memory or fails keeps what it measured, and the next
-one runs. Ctrl-C, or a scheduler's SIGTERM or SIGUSR1, stops the worker too, reports the cases
-left as stopped, and exits with 128 + the signal's number.
+The cases run in order of value (`case_plan`): the first ones' caps fit the budget, and the rest
+run on the time that those leave unused. One worker process runs them in turn, each under a time
+cap that an alarm signal enforces inside it. This process schedules and reports: a hang inside a
+CUDA call or a compile, which no signal handler reaches, or a crash of the worker still leaves a
+report, because this process kills a worker that overruns a case's cap, reports that case, and
+starts another worker for the cases after it while the budget allows. DIR/gpu.json and
+DIR/gpu.md are rewritten as each case starts and ends; a case that runs out of memory or fails
+keeps what it measured, and the next one runs. Ctrl-C, or a scheduler's SIGTERM or SIGUSR1,
+stops the worker too, reports the cases left as stopped, and exits with 128 + the signal's
+number.
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ import contextlib
 import dataclasses
 import datetime
 import gc
+import itertools
 import json
 import math
 import os
@@ -52,6 +56,7 @@ from typing import Callable, Iterator
 
 from bench.gpu_report import GIB, markdown, summary_line, write_reports
 from common.cli import STOP_SIGNALS, ArgumentParser, Stopped, run_command, signals_held, stop_signals_raising
+from common.fileio import markdown_table
 
 REPO = Path(__file__).resolve().parent.parent
 RESULT = "BENCH-RESULT "
@@ -61,12 +66,14 @@ GPT2_VOCAB = 50257
 
 FLAGSHIPS = {
     "configs/owt/gpt_124m.yaml": "gpt-tiny",
-    "configs/owt/gpt_rec_85m.yaml": "gpt_rec-tiny",
-    "configs/owt/nrgpt_ff2w_90m.yaml": "nrgpt-tiny",
     "configs/owt/ebt_s1_small.yaml": "ebt-tiny",
+    "configs/owt/nrgpt_ff2w_90m.yaml": "nrgpt-tiny",
+    "configs/owt/gpt_rec_85m.yaml": "gpt_rec-tiny",
     "configs/owt/transformer_pp_small.yaml": "transformer_pp-tiny",
 }
-"""Each family's flagship config -> the tiny flavor of its family that --tiny trains instead."""
+"""Each family's flagship config -> the tiny flavor of its family that --tiny trains instead, in
+order of value: the three with MFU targets first (EBT's, not compiled, costs half a compiled
+case), then the baselines."""
 ATTENTION_PROBE = ("configs/owt/nrgpt_ff2w_126m.yaml", "nrgpt-tiny")
 """The config whose attention kernel matters most (NRGPT's full heads, head dim 1024, beyond
 flash), trained without compilation, and its tiny flavor."""
@@ -141,10 +148,11 @@ class Settings:
 
 
 def case_plan(tiny: bool) -> list[Case]:
-    """The run's cases in order: the memory probe first (nothing else has touched the device
-    yet), the bf16 check, the attention probe, each flagship config without compilation, then
-    the compiled runs (slowest to start, and the ones a short budget cuts). Training cases are
-    named by their config file."""
+    """The run's cases in order of value, which is the order they run in: the memory probe
+    first (nothing else has touched the device yet), the bf16 check, each flagship config as it
+    is set, the attention probe, then each flagship the other way (compiled or not: the
+    comparison). A budget too short for every cap cuts from the end (`schedule`). Training cases
+    are named by their config file."""
     from pretrain.config import load_config
     from pretrain.models import model_class, resolve
 
@@ -159,13 +167,7 @@ def case_plan(tiny: bool) -> list[Case]:
     probe_config, probe_tiny = MEMORY_PROBE
     attention_config, attention_tiny = ATTENTION_PROBE
     flavor, micro_batch, seq_len = BF16_CHECK[scale]
-    plain = [Case(f"{Path(probe_config).stem} replay store filled", "train", caps["memory"], probe_config,
-                  shrink(probe_tiny), fill_replay_store=True),
-             Case(f"{flavor} bf16 vs fp32", "bf16_check", caps["bf16_check"], flavor=flavor,
-                  micro_batch=micro_batch, seq_len=seq_len),
-             Case(f"{Path(attention_config).stem} attention (compile=off)", "train", caps["train"], attention_config,
-                  shrink(attention_tiny) + ["model.compile=off"])]
-    compiled = []
+    as_set, the_other_way = [], []
     for config, tiny_flavor in FLAGSHIPS.items():
         cfg = load_config(REPO / config)
         own = cfg.model.compile if cfg.model.compile == "off" or not tiny else backend
@@ -176,8 +178,39 @@ def case_plan(tiny: bool) -> list[Case]:
             case = Case(f"{Path(config).stem} compile={setting}{' (config)' if setting == own else ''}", "train",
                         caps["train" if setting == "off" else "compiled"], config,
                         shrink(tiny_flavor) + [f"model.compile={setting}"])
-            (plain if setting == "off" else compiled).append(case)
-    return plain + compiled
+            (as_set if setting == own else the_other_way).append(case)
+    return [Case(f"{Path(probe_config).stem} replay store filled", "train", caps["memory"], probe_config,
+                 shrink(probe_tiny), fill_replay_store=True),
+            Case(f"{flavor} bf16 vs fp32", "bf16_check", caps["bf16_check"], flavor=flavor,
+                 micro_batch=micro_batch, seq_len=seq_len),
+            *as_set,
+            Case(f"{Path(attention_config).stem} attention (compile=off)", "train", caps["train"], attention_config,
+                 shrink(attention_tiny) + ["model.compile=off"]),
+            *the_other_way]
+
+
+def schedule(cases: list[Case]) -> list[float]:
+    """When each case ends at the latest, in seconds from the start of the run, if every case
+    before it takes its whole cap: after the first worker's start-up (MIN_START_S). A case that
+    ends by `budget - REPORT_RESERVE_S` is sure to run; the ones after it run in the time that
+    the cases before them leave unused, while the budget lasts, and are reported as skipped
+    when it does not."""
+    return list(itertools.accumulate((case.cap_s for case in cases), initial=MIN_START_S))[1:]
+
+
+def describe_plan(cases: list[Case], budget_s: float) -> str:
+    """The dry run's account of a run: the cases in order, their caps, and which the budget is
+    sure to fit."""
+    last = budget_s - REPORT_RESERVE_S
+    ends = schedule(cases)
+    sure = sum(end <= last for end in ends)
+    rows = [{"#": i, "case": case.name, "cap s": case.cap_s, "ends by s": end,
+             "runs": "surely" if end <= last else "if earlier cases leave time"}
+            for i, (case, end) in enumerate(zip(cases, ends), 1)]
+    return (f"{len(cases)} cases in a {budget_s:.0f} s budget: {MIN_START_S:.0f} s for the worker's start-up, "
+            f"{REPORT_RESERVE_S:.0f} s kept for the reports; the first {sure} are sure to run, each within its "
+            f"cap, and the rest run, in this order, on the time the cases before them leave unused.\n\n"
+            + markdown_table(rows, {"cap s": ".0f", "ends by s": ".0f"}))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -627,6 +660,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="wall-clock budget of the whole run (default 300 s; 150 s with --tiny)")
     parser.add_argument("--only", nargs="+", metavar="TEXT", help="run only cases whose name contains one of these")
     parser.add_argument("--peak-tflops", type=float, default=None, help="peak for MFU (default: by device name)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the cases in order, their caps and which the budget is sure to fit; run nothing")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -638,15 +673,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     tiny = args.tiny
     plan = case_plan(tiny)  # imports torch (not CUDA's context: the worker makes that)
-    if args.device == "cuda" and not _has_cuda():
-        print("error: no CUDA device is visible; use --device cpu --tiny for the CPU smoke test", file=sys.stderr)
-        return 2
     if args.only:
         plan = [c for c in plan if any(text in c.name for text in args.only)]
     if not plan:
         print("error: --only matches no case", file=sys.stderr)
         return 2
     budget = args.budget_s or BUDGET_S["tiny" if tiny else "gpu"]
+    if args.dry_run:
+        print(describe_plan(plan, budget), end="")
+        return 0
+    if args.device == "cuda" and not _has_cuda():
+        print("error: no CUDA device is visible; use --device cpu --tiny for the CPU smoke test", file=sys.stderr)
+        return 2
     deadline = start + budget - REPORT_RESERVE_S
     settings = Settings(device=args.device, vocab_size=512 if tiny else GPT2_VOCAB, warmup=2,
                         steps=2 if tiny else 10, peak_tflops=args.peak_tflops, deadline=deadline)
