@@ -3,6 +3,8 @@
 #
 #   bench/gpu.sh [bench.gpu arguments]    run `python3 -m bench.gpu`; packages it needs that this
 #                                         python lacks are installed from wheels in .whl/ first
+#   bench/gpu.sh --dry-run [arguments]    print the wheels this python needs (and which .whl/
+#                                         holds) and the cases in order; install and run nothing
 #   bench/gpu.sh fetch-wheels [3.12]      on a machine with a package registry: put those wheels
 #                                         into .whl/ for the GPU machine's Python (default 3.12,
 #                                         manylinux x86_64); .whl/ is not committed
@@ -37,6 +39,24 @@ if [[ "${1:-}" == "fetch-wheels" ]]; then
         -d "$WHEELS" "${BINARY_WHEELS[@]}"
     ls "$WHEELS"
     exit 0
+fi
+
+if [[ " $* " == *" --dry-run "* ]]; then
+    version=$($PY -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+    echo "wheels for $PY (Python $version), in $WHEELS/ from 'bench/gpu.sh fetch-wheels $version':"
+    show() {  # REQUIREMENT TAGS: the wheel's file name and whether $WHEELS/ holds it
+        local name=${1%%==*} status=missing
+        local file="${name//-/_}-${1#*==}-$2.whl"
+        if compgen -G "$WHEELS/$file" >/dev/null; then status=present; fi
+        printf '  %-28s %-56s %s\n' "$1" "$file" "$status"
+    }
+    for requirement in "${PURE_WHEELS[@]}"; do show "$requirement" py3-none-any; done
+    for requirement in "${BINARY_WHEELS[@]}"; do show "$requirement" "cp${version/./}-*manylinux*_x86_64"; done
+    if $PY -c "$IMPORTS" >/dev/null 2>&1; then
+        echo "$PY imports the packages they hold already: a run would install none"
+    fi
+    echo
+    exec $PY -m bench.gpu "$@"
 fi
 
 if ! $PY -c "$IMPORTS" 2>/dev/null; then

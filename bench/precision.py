@@ -35,9 +35,7 @@ from pathlib import Path
 import torch
 
 from bench.models import print_table
-from bench.replay import batches
 from common.cli import ArgumentParser, run_command
-from data_pipeline.prepare import ensure_prepared
 from pretrain.config import load_config, model_config
 from pretrain.models import build
 from pretrain.precision import precisions
@@ -64,6 +62,17 @@ GROUPS = {
 }
 """Parameter group -> name fragments (the first group with a match wins; NRGPT's s_ff and eta
 go with its feed-forward energy, EBT's alpha with its energy head)."""
+
+
+BF16_GRADIENT_ERRORS = {
+    "nrgpt": {"embeddings": 1.42e-2, "attention": 1.27e-2, "mlp/energy": 1.06e-2, "norms": 1.33e-2, "head": 8.4e-3},
+    "ebt_s1": {"embeddings": 4.3e-3, "attention": 7.2e-3, "mlp/energy": 6.5e-3, "norms": 4.8e-3, "head": 3.7e-3},
+    "ebt_s2": {"embeddings": 5.4e-3, "attention": 7.7e-3, "mlp/energy": 7.6e-3, "norms": 5.0e-3, "head": 3.6e-3},
+}
+"""What this benchmark measured in pure bf16 (`train.precision=bf16`), 2026-12-03: per family
+and parameter group, ||g - g64|| / ||g64|| at the initial weights, mean over seeds 1-3
+(docs/benchmarks.md, "Mixed precision at paper depth", has the whole table). `bench.gpu` sets
+its bf16 check's tolerance from these."""
 
 
 def group_of(name: str) -> str:
@@ -109,6 +118,11 @@ def group_gradients(model, precision: str, batch, candidate, alpha_scale) -> dic
 
 def gradient_errors(root: Path, family: str, seed: int) -> dict[str, dict[str, float]]:
     """precision -> group -> ||g - g64|| / ||g64|| at the initial weights of `seed`."""
+    # here, not at the top: bench.gpu reads this module's figures where the data pipeline's
+    # packages are not installed
+    from bench.replay import batches
+    from data_pipeline.prepare import ensure_prepared
+
     config, overrides = run_config(root, family, seed)
     cfg = load_config(REPO / config, overrides)
     manifest = ensure_prepared(cfg.data.path, cfg.data.source, seq_len=cfg.data.seq_len,

@@ -2,6 +2,7 @@
 and `deepspeed.initialize` with the model, its optimizer parameter groups and ZeRO-3 leaves."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -227,15 +228,56 @@ def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ds_conf
     import deepspeed
     from deepspeed.utils import set_z3_leaf_modules
 
+    zero3 = ds_config["zero_optimization"]["stage"] == 3
     leaves = model.zero3_leaf_modules()
-    if leaves and ds_config["zero_optimization"]["stage"] == 3:
+    if leaves and zero3:
         set_z3_leaf_modules(model, leaves)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    # ZeRO-3 keeps every partition in one buffer of one dtype: there they are bf16 too
+    kept = [] if zero3 or not ds_config["bf16"]["enabled"] else float32_parameters(model, optimizer)
+    with left_in_float32(kept):
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     if compile_backend != "off":
         if engine.device.type == "cpu":
             compiled_cpu_kernel_settings()
         engine.compile(backend=compile_backend)
     return engine
+
+
+def float32_parameters(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
+    """The parameters the model keeps in float32 beside a bf16 module (`float32_names`), each
+    alone in its optimizer group: ZeRO flattens a group into one buffer of one dtype."""
+    names = model.float32_names()
+    kept = [p for name, p in model.named_parameters() if name in names]
+    for group in optimizer.param_groups:
+        if len(group["params"]) > 1 and {id(p) for p in kept} & {id(p) for p in group["params"]}:
+            raise ConfigError(f"optimizer.lr_multipliers: {', '.join(sorted(names))} stays float32 in a bf16 "
+                              "run and needs a parameter group of its own; leave it out of the patterns")
+    return kept
+
+
+@contextlib.contextmanager
+def left_in_float32(params: list[torch.nn.Parameter]):
+    """Have `deepspeed.initialize` leave `params` in float32. DeepSpeed's bf16 mode casts every
+    parameter of the module, and no setting exempts one (`data_types.keep_in_fp32_modules` keeps
+    buffers only): its engine's cast is wrapped for the duration to put their float32 data back,
+    before the ZeRO optimizer flattens each group into a buffer of its dtype and keeps its
+    float32 master copy (ZeRO-1 and 2, and stage 0's bf16 optimizer, take a group of another
+    dtype). DeepSpeed 0.19.8's private method, as pinned."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    cast = DeepSpeedEngine._cast_module_mixed_precision
+
+    def cast_all_others(engine, *args, **kwargs):
+        kept = [(p, p.data) for p in params]
+        cast(engine, *args, **kwargs)
+        for p, data in kept:
+            p.data = data
+
+    DeepSpeedEngine._cast_module_mixed_precision = cast_all_others
+    try:
+        yield
+    finally:
+        DeepSpeedEngine._cast_module_mixed_precision = cast
 
 
 def time_out_every_group(seconds: float) -> None:

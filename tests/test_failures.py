@@ -546,3 +546,31 @@ def test_a_lost_peer_is_one_line_naming_it_in_each_of_gloos_forms(message, what)
     line = lost_peer_line(RuntimeError(message), 15)
     assert line is not None and what.format(peer=peer) in line, line
     assert lost_peer_line(RuntimeError("CUDA out of memory"), 15) is None
+
+
+SETUP_AND_GROUP_TIMEOUTS = """
+import json, sys, torch, torch.distributed.distributed_c10d as c10d
+from pretrain.config import load_config
+from pretrain.train import Trainer
+trainer = Trainer(load_config(sys.argv[1], sys.argv[2:]))
+trainer.setup()
+print(json.dumps([group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+                  for group in c10d._world.pg_map]))
+trainer.close()
+"""
+"""The trainer's setup as a run starts (process group, dataset, engine), then the timeout of
+each process group then in existence."""
+
+
+def test_the_collective_timeout_reaches_every_process_group(tmp_path):
+    """train.collective_timeout is the world group's (from init_process_group) and that of every
+    group made after it: DeepSpeed's clone of the world, over which ZeRO reduces the gradients,
+    and its data-parallel groups, which would otherwise wait torch's default (30 minutes on
+    gloo, 10 on NCCL) for a node that went silent."""
+    result = subprocess.run(
+        [runs.PYTHON, "-c", SETUP_AND_GROUP_TIMEOUTS, str(runs.base_config_file()), f"output_root={tmp_path}",
+         "run_name=timeouts", "train.collective_timeout=123", "data.num_workers=0"],
+        cwd=runs.REPO, env=runs.child_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    timeouts = json.loads(result.stdout.strip().splitlines()[-1])
+    assert len(timeouts) >= 2 and set(timeouts) == {123.0}, timeouts

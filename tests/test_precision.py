@@ -279,3 +279,26 @@ def test_fp32_and_bf16_autocast_checkpoints_resume_in_each_other_with_exactly_th
     assert any("exp_avg_sq" in path for path in saved_optimizer)
     for path, saved in saved_optimizer.items():
         assert torch.equal(optimizer[path], saved), path
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_ebt_alpha_stays_float32_in_a_bf16_run_and_takes_updates_finer_than_bf16s_spacing(tmp_path, stage):
+    """S1's learnable alpha (500) in a pure-bf16 run: the module keeps it in float32 beside its
+    bf16 weights, so a first update smaller than bf16's spacing there (2) moves what the forward
+    reads; the checkpoint holds it so, and a resumed run starts from exactly that."""
+    import trainer_runs as runs
+
+    run = [f"output_root={tmp_path}", "model.flavor=ebt-tiny", f"zero.stage={stage}", "train.precision=bf16",
+           "optimizer.lr=1e-4", "schedule.min_lr=1e-5", "train.max_steps=1", "checkpoint.interval=1",
+           "data.num_workers=0", "eval.sample_tokens=0"]
+    trained = runs.train_here([*run, "run_name=saved"])
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    tag_dir = tmp_path / "saved" / "ckpt" / "step_00000001"
+    saved = torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
+    alpha, initial = saved["descent.alpha"], resolve("ebt-tiny").alpha
+    spacing = BF16_EPS * 2 ** math.floor(math.log2(initial))
+    assert alpha.dtype == torch.float32 and 0 < abs(alpha.item() - initial) < spacing / 2
+    assert saved["descent.energy_head.weight"].dtype == torch.bfloat16
+    module, _ = resumed_state(runs.base_config_file(), [*run, "run_name=resumed", "train.max_steps=2",
+                                                        f"resume={tag_dir}"])
+    assert module["descent.alpha"].dtype == torch.float32 and torch.equal(module["descent.alpha"], alpha)

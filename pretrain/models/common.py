@@ -62,6 +62,11 @@ class LanguageModel(nn.Module):
         """Parameter name -> learning-rate multiplier, for parameters that need their own LR."""
         return {}
 
+    def float32_names(self) -> set[str]:
+        """Names of parameters that stay float32 when a run keeps the rest of the module in bf16:
+        those whose bf16 spacing near their value is coarser than their updates."""
+        return set()
+
     def zero3_leaf_modules(self) -> list[type[nn.Module]]:
         """Module classes DeepSpeed ZeRO-3 must gather whole (e.g. loops that call autograd.grad)."""
         return []

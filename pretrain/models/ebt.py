@@ -390,6 +390,11 @@ class EBT(LanguageModel):
     def never_decayed_names(self) -> set[str]:
         return {"descent.alpha"} if self.config.alpha_learnable else set()
 
+    def float32_names(self) -> set[str]:
+        # bf16's spacing near S1's 500 is 2: its forward would read a step size that lags the
+        # optimizer's float32 copy by up to 1 and moves in jumps of 2
+        return {"descent.alpha"} if self.config.alpha_learnable else set()
+
     def zero3_leaf_modules(self) -> list[type[nn.Module]]:
         return [EnergyDescent]
 
