@@ -271,9 +271,11 @@ class EBT(LanguageModel):
         """Training: loss = the S1/S2 objective (mean CE over steps, or last step when
         truncated) over the batch and any replayed rows. Eval: loss = the cross entropy of the
         final candidate, the model's prediction, so it compares with a plain LM's. `logits` are
-        log_softmax of the final candidate (detached). Diagnostics: `energy` [S], `alpha`, and
-        with targets `loss_per_step` [S], `loss_first_step`, `loss_last_step`; per-token
-        energies [S, B, T] under `_token_energy` when `return_energies`."""
+        log_softmax of the final candidate (detached); in training the final candidate itself, the
+        same distribution unnormalised, which costs no pass over [B, T, V] (a training step uses
+        only the loss). Diagnostics: `energy` [S], `alpha`, and with targets `loss_per_step` [S],
+        `loss_first_step`, `loss_last_step`; per-token energies [S, B, T] under `_token_energy`
+        when `return_energies`."""
         cfg = self.config
         B, T = idx.shape
         check_length(cfg, T)
@@ -301,7 +303,8 @@ class EBT(LanguageModel):
             loss = result.loss if self.training else loss_per_step[-1]
         if return_energies:
             diagnostics["_token_energy"] = result.energies[:, :B]
-        return ModelOutput(loss=loss, logits=F.log_softmax(result.candidate[:B], dim=-1),
+        final = result.candidate[:B]
+        return ModelOutput(loss=loss, logits=final if self.training else F.log_softmax(final, dim=-1),
                            diagnostics=diagnostics)
 
     @torch.no_grad()
