@@ -777,3 +777,19 @@ def test_a_training_forward_normalises_candidates_only_for_its_loss():
     model.eval()
     assert torch.allclose(model(idx, targets).logits.exp().sum(-1), torch.ones(2, 6, dtype=torch.float64))
 
+
+def test_replay_scratch_bytes_is_what_storing_rows_allocates():
+    """What the memory plan adds as a training forward ends (`replay_scratch_bytes`): the peak
+    the CPU allocator sees while a filled store keeps a batch's final candidates, one row at a
+    time, beside the store itself."""
+    from bench.memory import peak_allocated_bytes
+    from pretrain.models.replay import replay_scratch_bytes
+
+    config = EBTConfig(vocab_size=2048, block_size=64, n_layer=1, n_head=2, n_embd=8, replay_buffer_size=8,
+                       replay_top_k=256)
+    store = ReplayStore(config)
+    idx = torch.randint(0, config.vocab_size, (4, config.block_size))
+    final = torch.randn(4, config.block_size, config.vocab_size)
+    store.store(idx, idx, final)  # allocates the store
+    peak = peak_allocated_bytes(lambda: store.store(idx, idx, final))
+    assert peak == pytest.approx(replay_scratch_bytes(config), rel=0.1)

@@ -44,7 +44,7 @@ from pretrain.models.descent_plumbing import seeded_rng
 from pretrain.models.ebt_descent import EnergyDescent
 from pretrain.models.llama import LlamaConfig, block_flops, check_length, init_weights
 from pretrain.models.registry import FamilySpec, register_family, register_flavor
-from pretrain.models.replay import LEGACY_REPLAY_BUFFERS, ReplayStore, replay_store_bytes
+from pretrain.models.replay import LEGACY_REPLAY_BUFFERS, ReplayStore, replay_scratch_bytes, replay_store_bytes
 
 
 @dataclass
@@ -444,7 +444,8 @@ def largest_step(config: EBTConfig) -> EBTConfig:
 
 register_family(FamilySpec(
     "ebt", EBTConfig, EBT, thinks=True, rank_states=replay_stores, rank_state_bytes=replay_store_bytes,
-    replayed_rows=EBTConfig.replayed_rows, largest_step=largest_step, stale_buffers=LEGACY_REPLAY_BUFFERS))
+    rank_state_scratch_bytes=replay_scratch_bytes, replayed_rows=EBTConfig.replayed_rows, largest_step=largest_step,
+    stale_buffers=LEGACY_REPLAY_BUFFERS))
 
 # The paper's recipes at "small" (12L/768/12h; 126.8M with the two V x D tables at V=50304), as the
 # released scripts (the S1/S2 kinds: Appendix C.2; their hyperparameters: Tables D.3 and D.4).
