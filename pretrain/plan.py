@@ -10,13 +10,12 @@ micro-batch that would.
 
 The activations are measured, not modelled: the config's model is built at full size on the
 meta device (shapes and dtypes, no memory) and runs one micro-batch's forward and backward with
-the config's activation checkpointing and precision, while every tensor the pass creates is
-counted until it is freed; their peak is the figure. Paper-scale flavors answer in seconds on a
-machine without a GPU."""
+the config's activation checkpointing and precision and the GPU's attention kernels (with their
+own buffers), while every tensor the pass creates is counted until it is freed; their peak is
+the figure. Paper-scale flavors answer in seconds on a machine without a GPU."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import math
@@ -36,6 +35,7 @@ from pretrain.config import (ConfigError, RunConfig, batch_split, describe_batch
                              validate)
 from pretrain.engine import deepspeed_config
 from pretrain.flops import peak_tflops
+from pretrain.meta_attention import attention_on_meta, kernel_scratch_bytes
 from pretrain.models import FLAVORS, build, family_name, family_spec
 from pretrain.precision import Precision, resolve_precision
 
@@ -173,8 +173,10 @@ def rank_state_bytes(config: Any) -> int:
 
 class LiveTensorBytes(TorchDispatchMode):
     """Counts the bytes of the tensors created while it is active, from each op's outputs until
-    their storage is freed, and keeps the peak. Views and in-place results share a storage
-    already counted."""
+    their storage is freed, and keeps the peak. An output on one of the op's inputs' storages
+    (a view, an in-place result) is no new memory: neither one of a tensor counted before nor
+    one of a tensor from before (a view of a weight). A GPU attention kernel's own buffers
+    (`kernel_scratch_bytes`) count beside its outputs while it runs."""
 
     def __init__(self):
         super().__init__()
@@ -184,11 +186,16 @@ class LiveTensorBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        inputs = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for tensor in tree_leaves(out):
-            if isinstance(tensor, torch.Tensor):
+            if isinstance(tensor, torch.Tensor) and id(tensor.untyped_storage()) not in inputs:
                 self.count(tensor.untyped_storage())
-        self.peak = max(self.peak, self.live)
+        self.transient(kernel_scratch_bytes(func, args))
         return out
+
+    def transient(self, size: int) -> None:
+        """`size` bytes held for a moment beside the live tensors."""
+        self.peak = max(self.peak, self.live + size)
 
     def count(self, storage: torch.UntypedStorage) -> None:
         key = id(storage)
@@ -204,27 +211,6 @@ class LiveTensorBytes(TorchDispatchMode):
         self.storages.pop(key, None)
 
 
-def _flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    if attn_mask is not None or enable_gqa:
-        return torch.ops.aten._scaled_dot_product_attention_math(
-            q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)[0]
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal, scale=scale)[0]
-
-
-@contextlib.contextmanager
-def fused_attention_on_meta():
-    """Inside: scaled_dot_product_attention on meta tensors runs a fused kernel, which keeps
-    the output and one log-sum-exp per row for backward, as the flash and memory-efficient
-    kernels of a GPU (and the CPU's flash kernel) do. torch's own choice for the meta device is
-    the unfused math, which keeps the [T, T] attention weights of every head."""
-    library = torch.library.Library("aten", "IMPL")
-    library.impl("scaled_dot_product_attention", _flash_attention, "AutogradMeta")
-    try:
-        yield
-    finally:
-        library._destroy()
-
-
 def hand_off_gradients(model: nn.Module) -> None:
     """Drop each parameter's gradient once it is complete, as ZeRO does after copying it into
     its reduce bucket: the gradients part counts what stays of them."""
@@ -236,11 +222,17 @@ def hand_off_gradients(model: nn.Module) -> None:
             param.register_post_accumulate_grad_hook(drop)
 
 
-def micro_batch_pass(model: nn.Module, micro_batch_size: int, seq_len: int) -> None:
-    """One training micro-batch's forward and backward on random tokens, on the model's device."""
+def micro_batch_loss(model: nn.Module, micro_batch_size: int, seq_len: int) -> torch.Tensor:
+    """One training micro-batch's forward on random tokens, on the model's device: its loss (the
+    trainer keeps no other output through the backward)."""
     device = next(model.parameters()).device
     idx = torch.randint(0, model.config.vocab_size, (micro_batch_size, seq_len), device=device)
-    model(idx, torch.roll(idx, -1, dims=1)).loss.backward()
+    return model(idx, torch.roll(idx, -1, dims=1)).loss
+
+
+def micro_batch_pass(model: nn.Module, micro_batch_size: int, seq_len: int) -> None:
+    """One training micro-batch's forward and backward on random tokens, on the model's device."""
+    micro_batch_loss(model, micro_batch_size, seq_len).backward()
 
 
 def descent_rows(config: Any, micro_batch_size: int) -> int:
@@ -255,18 +247,24 @@ def measured_model_config(config: Any) -> Any:
     return family_spec(config).largest_step(config)
 
 
-def activation_bytes(config: Any, micro_batch_size: int, seq_len: int, dtype: torch.dtype) -> int:
+def activation_bytes(config: Any, micro_batch_size: int, seq_len: int, dtype: torch.dtype,
+                     gpu_compute_dtype: torch.dtype | None = None) -> int:
     """Peak bytes of the tensors one training micro-batch creates in its forward and backward,
     the parameters' gradients excepted (handed off as ZeRO does): the config's model built on
     the meta device in `dtype` (`Precision.param_dtype`, as DeepSpeed casts it), with the
-    config's activation checkpointing. Under autocast (which the meta device lacks) the matmuls'
-    outputs are bf16 and the residual stream and norms fp32: measured in fp32, an upper bound."""
+    config's activation checkpointing, and its attention on the kernels of a GPU running
+    `gpu_compute_dtype` (`Precision.compute_dtype`) with their buffers, or (None) of the CPU.
+    Under autocast (which the meta device lacks) the matmuls' outputs are bf16 and the residual
+    stream and norms fp32: measured in fp32, an upper bound. As the forward ends, the family's
+    per-rank states take their update's scratch (EBT's replay store keeps the final candidates)."""
     with torch.device("meta"):
         model = build(measured_model_config(config)).to(dtype).train()
     hand_off_gradients(model)
     tracker = LiveTensorBytes()
-    with fused_attention_on_meta(), tracker:
-        micro_batch_pass(model, descent_rows(config, micro_batch_size), seq_len)
+    with attention_on_meta(gpu_compute_dtype), tracker:
+        loss = micro_batch_loss(model, descent_rows(config, micro_batch_size), seq_len)
+        tracker.transient(family_spec(config).rank_state_scratch_bytes(config))
+        loss.backward()
     return tracker.peak
 
 
@@ -380,7 +378,8 @@ def memory_parts(cfg: RunConfig, config: Any, precision: Precision, gpus: int, m
         model = build(config)
     ds_config = deepspeed_config(cfg, gpus, precision)
     states = model_state_bytes(model.num_params(), gathered_parameters(model), ds_config, gpus)
-    activations = activation_bytes(config, micro_batch_size, cfg.data.seq_len, precision.param_dtype)
+    activations = activation_bytes(config, micro_batch_size, cfg.data.seq_len, precision.param_dtype,
+                                   precision.compute_dtype)
     return Parts(*states, activations, reduce_bucket_bytes(ds_config) + rank_state_bytes(config))
 
 
@@ -400,7 +399,7 @@ def make_plan(config_path: str, cfg: RunConfig, gpus: int, gpu: str, find_larges
     parts = memory_parts(cfg, config, precision, gpus, split.micro_batch_size)
 
     def activations(b: int) -> int:
-        return activation_bytes(config, b, seq_len, precision.param_dtype)
+        return activation_bytes(config, b, seq_len, precision.param_dtype, precision.compute_dtype)
 
     measured = {split.micro_batch_size: parts.activations}
     capacity = GPUS[gpu].memory_bytes

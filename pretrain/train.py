@@ -284,7 +284,11 @@ class Trainer:
             last_micro = micro == self.split.accumulation_steps - 1
             engine.module.seed_shared_draws(f"{cfg.seed}/{step}/{micro}")
             out = engine(inputs, targets, return_energies=log_now and last_micro)
-            loss = self.faults.loss(out.loss.float(), step + 1, last_micro)
+            # Only the loss and the diagnostics outlive the forward: the logits ([B, T, V], GiBs
+            # at a 50k vocabulary) would otherwise stay through backward and the next forward.
+            model_loss, model_diagnostics = out.loss, out.diagnostics
+            del out
+            loss = self.faults.loss(model_loss.float(), step + 1, last_micro)
             finite = torch.isfinite(loss)
             nonfinite += ~finite
             loss_sum += torch.where(finite, loss.detach(), 0.0)
@@ -293,7 +297,7 @@ class Trainer:
             engine.backward(loss * torch.where(finite, 1.0, math.nan))
             if last_micro:
                 if log_now and self.rank == 0:
-                    diagnostics = diagnostic_scalars(out.diagnostics, family_name(self.model_config))
+                    diagnostics = diagnostic_scalars(model_diagnostics, family_name(self.model_config))
                 # the update's loss over all ranks, before the optimizer step the spike guard vetoes
                 # filled on the device: torch.tensor(flag, device=...) would be a copy that waits for the backward
                 stop_requested = torch.full((), float(self.stops.signum != 0), device=self.device)

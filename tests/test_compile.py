@@ -203,3 +203,65 @@ def test_compiled_run_resumes_with_the_uninterrupted_losses():
     reference = runs.scalars(name, "train/loss")
     assert sorted(reference) == list(range(1, 7))
     assert runs.scalars(f"{name}-resumed", "train/loss") == {step: reference[step] for step in range(4, 7)}
+
+
+def gradient_producers(model, idx) -> int:
+    """How many nodes of a training step's backward hand the parameters their gradients. ZeRO's
+    hooks run as each parameter's gradient is accumulated, so its reductions can start no
+    earlier than the node that produces the gradient."""
+    loss = model(idx, torch.roll(idx, -1, dims=1)).loss
+    params = {id(p) for p in model.parameters()}
+    producers, seen, nodes = set(), set(), [loss.grad_fn]
+    while nodes:
+        node = nodes.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            if hasattr(child, "variable") and id(child.variable) in params:
+                producers.add(node)
+            else:
+                nodes.append(child)
+    return len(producers)
+
+
+def overlap_comment(path: Path) -> str:
+    """The comment on a config's zero.overlap_comm, with its continuation lines."""
+    lines = path.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip().startswith("overlap_comm:"))
+    comment = [lines[start].split("#", 1)[1]]
+    for line in lines[start + 1:]:
+        if not line.strip().startswith("#"):
+            break
+        comment.append(line.strip()[1:])
+    return " ".join(part.strip() for part in comment)
+
+
+def test_overlap_comm_comments_say_when_a_compiled_model_reduces():
+    """A compiled model's backward is one node (AOTAutograd's) that returns every gradient at its
+    end, so ZeRO-2's reduce-scatters follow the whole backward: overlap_comm overlaps them with
+    each other, not with backward compute, which it does for an eager model (EBT), whose
+    gradients come from many nodes as backward proceeds. Each OpenWebText config's comment
+    says which (docs/design.md, "ZeRO for 85-127M models"). The structure is AOTAutograd's for
+    every backend: aot_eager stands in for inductor, without code generation."""
+    producers = {}
+    for path in sorted(CONFIGS.glob("*.yaml")):
+        cfg = load_config(path)
+        family = cfg.model.flavor.split("-")[0]
+        if (family, cfg.model.compile) not in producers:
+            flavor, overrides = TINY.get(family, ("ebt-tiny", {}))
+            torch.manual_seed(0)
+            model = build(resolve(flavor, dict(vocab_size=64, block_size=16, **overrides))).train()
+            if cfg.model.compile != "off":
+                model.compile(backend="aot_eager", fullgraph=True)
+            producers[family, cfg.model.compile] = gradient_producers(model, torch.randint(0, 64, (2, 16)))
+        count = producers[family, cfg.model.compile]
+        assert cfg.zero.stage == 2 and cfg.zero.overlap_comm, path.name
+        comment = overlap_comment(path)
+        if cfg.model.compile == "off":
+            assert count > 1 and "while backward continues" in comment, (path.name, count, comment)
+        else:
+            assert count == 1 and "after the backward" in comment, (path.name, count, comment)
+    assert set(producers) == {(family, "inductor") for family in TINY} | {("ebt", "off")}

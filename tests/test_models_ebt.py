@@ -423,7 +423,7 @@ def test_replay_buffer_stores_final_candidates_and_restarts_rows_from_them():
     # the buffer starts empty: nothing was replayed, all 4 rows were stored in slots 0..3
     assert store.tensors["lengths"].tolist() == [6, 6, 6, 6, 0] and store.next == 4
     assert torch.equal(store.tensors["tokens"][:4, :6], idx) and torch.equal(store.tensors["targets"][:4, :6], targets)
-    assert torch.allclose(F.log_softmax(store.tensors["logits"][:4, :6], -1), out.logits, atol=1e-12)
+    assert torch.equal(store.tensors["logits"][:4, :6], out.logits)  # training: the final candidates as they are
 
     # restarted rows: 2 (= 0.5 x 4) stored rows, with their tokens, targets and final candidates
     fresh = candidate(model, idx)
@@ -803,3 +803,49 @@ def test_zero3_gives_the_zero2_losses_through_the_second_order_descent(tmp_path)
     for stage in (2, 3):
         rank0, rank1 = results[f"s2/zero{stage}"]["steps"]
         assert rank0 == rank1 and set(rank0) == {2, 3}, (stage, rank0, rank1)
+
+
+def test_a_training_forward_normalises_candidates_only_for_its_loss():
+    """A training step uses only the forward's loss: its logits are the final candidate as it is
+    (the same distribution), not a log_softmax over [B, T, V] more (1.5 GiB at ebt-s1-small's
+    micro-batch of 8) that nothing reads. Every log_softmax a training forward runs feeds one of
+    its cross entropies, one per descent step; outside training the logits are normalised."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.name())
+            return func(*args, **(kwargs or {}))
+
+    model = tiny().train()
+    idx, targets = data(model)
+    with Ops() as ops:
+        out = model(idx, targets)
+    log_softmaxes = ops.names.count("aten::_log_softmax")
+    assert log_softmaxes == ops.names.count("aten::nll_loss_forward") == model.config.n_steps
+    assert out.logits.shape == (2, 6, 11) and not out.logits.requires_grad
+    model.eval()
+    assert torch.allclose(model(idx, targets).logits.exp().sum(-1), torch.ones(2, 6, dtype=torch.float64))
+
+
+def test_replay_scratch_bytes_is_what_storing_rows_allocates():
+    """What the memory plan adds as a training forward ends (`replay_scratch_bytes`): the peak
+    the CPU allocator sees while a filled store keeps a batch's final candidates, a chunk of
+    rows at a time, beside the store itself: rows of 0.5 MiB (all 8 in one chunk) and of 32 MiB
+    (one by one)."""
+    from bench.memory import peak_allocated_bytes
+    from pretrain.models.replay import replay_scratch_bytes
+
+    for vocab_size, block_size in ((2048, 64), (8192, 1024)):
+        config = EBTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=1, n_head=2, n_embd=8,
+                           replay_buffer_size=8, replay_top_k=256)
+        store = ReplayStore(config)
+        idx = torch.randint(0, config.vocab_size, (8, config.block_size))
+        final = torch.randn(8, config.block_size, config.vocab_size)
+        store.store(idx, idx, final)  # allocates the store
+        peak = peak_allocated_bytes(lambda: store.store(idx, idx, final))
+        assert peak == pytest.approx(replay_scratch_bytes(config), rel=0.1), (vocab_size, block_size)

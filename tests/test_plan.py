@@ -1,9 +1,11 @@
-"""`python -m pretrain.plan`: the activation figure against the CPU allocator's peak for the
-small flavors of every family, the model states against DeepSpeed's own estimators, the search
-for the largest micro-batch, the OpenWebText configs' fit on an 80 GB GPU, and bad input."""
+"""`python -m pretrain.plan`: the activation figure against the CPU allocator's peak for every
+family, the GPU attention kernels' own buffers, the model states against DeepSpeed's own
+estimators, the search for the largest micro-batch, the OpenWebText configs' fit on an 80 GB GPU
+and the plans their comments state, and bad input."""
 import dataclasses
 import glob
 import json
+import re
 
 import pytest
 import torch
@@ -40,28 +42,61 @@ def allocator_peak(config, dtype: torch.dtype) -> int:
     return peak_allocated_bytes(lambda: micro_batch_pass(model, MICRO_BATCH, config.block_size))
 
 
-@pytest.mark.parametrize("flavor, checkpointing, dtype", [
-    ("gpt-tiny", "off", torch.float32), ("gpt-mini", "off", torch.float32), ("gpt-mini", "block", torch.float32),
-    ("gpt-mini", "off", torch.bfloat16),
-    ("gpt_rec-tiny", "off", torch.float32), ("gpt_rec-tiny", "step", torch.float32),
-    ("nrgpt-tiny", "off", torch.float32), ("nrgpt-mini", "off", torch.float32), ("nrgpt-mini", "step", torch.float32),
-    ("transformer_pp-tiny", "off", torch.float32), ("transformer_pp-mini", "block", torch.bfloat16),
-    ("ebt-tiny", "off", torch.float32), ("ebt-tiny", "step", torch.float32), ("ebt-tiny", "block", torch.float32),
-    ("ebt-mini", "step", torch.float32), ("ebt-s2-tiny", "off", torch.float32), ("ebt-s2-tiny", "step", torch.float32),
+PLAN_TOLERANCE = 0.10
+"""How close the activation figure holds to the CPU allocator's peak: the OpenWebText configs'
+comments say so (and docs/benchmarks.md, with the figures)."""
+
+LARGER = {"vocab_size": 2048, "block_size": 256, "n_embd": 256, "n_head": 4}
+"""Every family at D = 256, T = 256 (micro-batch 4): the body of the model, not the loss over the
+vocabulary, holds most of the peak."""
+
+
+@pytest.mark.parametrize("flavor, overrides, dtype", [
+    ("gpt-small", {**LARGER, "n_layer": 4}, torch.float32),
+    ("gpt-small", {**LARGER, "n_layer": 4, "activation_checkpointing": "block"}, torch.float32),
+    ("gpt_rec-tiny", {**LARGER, "n_steps": 4}, torch.float32),
+    ("gpt_rec-tiny", {**LARGER, "n_steps": 4, "activation_checkpointing": "step"}, torch.float32),
+    ("nrgpt-small", {**LARGER, "n_steps": 4}, torch.float32),
+    ("nrgpt-small", {**LARGER, "n_steps": 4, "activation_checkpointing": "step"}, torch.float32),
+    ("transformer_pp-mini", {**LARGER, "n_layer": 4}, torch.float32),
+    ("transformer_pp-mini", {**LARGER, "n_layer": 4, "activation_checkpointing": "block"}, torch.float32),
+    ("ebt-mini", {**LARGER, "n_layer": 2}, torch.float32),
+    ("ebt-s2-tiny", {**LARGER, "replay_buffer_size": 8, "activation_checkpointing": "step"}, torch.float32),
+    # bf16, and the tiny shapes of the CPU configs
+    ("gpt-mini", {}, torch.bfloat16), ("transformer_pp-mini", {"activation_checkpointing": "block"}, torch.bfloat16),
+    ("ebt-tiny", {"activation_checkpointing": "block"}, torch.float32), ("ebt-s2-tiny", {}, torch.float32),
 ])
-def test_activation_figure_is_the_allocators_peak_within_a_quarter(flavor, checkpointing, dtype, one_thread):
+def test_activation_figure_is_the_allocators_peak(flavor, overrides, dtype, one_thread):
     """The figure measured on the meta device against the allocator's timeline of the same
-    micro-batch run for real on the CPU: checkpointing, EBT's double backward and its replayed
-    rows (ebt-s2-tiny) included. (The meta device's own attention would keep every head's
-    [T, T] weights: 70% over for gpt-mini and 50% for nrgpt-mini.)"""
-    overrides = {"activation_checkpointing": checkpointing}
+    micro-batch run for real on the CPU (both on the CPU's attention kernels): checkpointing,
+    EBT's double backward and its replayed rows (ebt-s2) and replay store's scratch included.
+    (Before, the figure also counted the weights that views of them reached: up to 47% over at
+    these shapes, for gpt-small with its blocks checkpointed. The meta device's own attention
+    would keep every head's [T, T] weights.)"""
     if flavor.startswith("ebt"):  # the same attention chunks on both sides (the meta device plans a GPU's)
-        overrides["attention_chunks"] = default_chunks(torch.device("meta"))
+        overrides = {**overrides, "attention_chunks": default_chunks(torch.device("meta"))}
     config = resolve(flavor, overrides)
     planned = activation_bytes(config, MICRO_BATCH, config.block_size, dtype)
     measured = allocator_peak(config, dtype)
-    print(f"\n{flavor} {checkpointing} {dtype}: planned {planned / 1e6:.2f} MB, allocator {measured / 1e6:.2f} MB")
-    assert abs(planned / measured - 1) < 0.25
+    print(f"\n{flavor} {overrides} {dtype}: planned {planned / 1e6:.2f} MB, allocator {measured / 1e6:.2f} MB")
+    assert abs(planned / measured - 1) < PLAN_TOLERANCE
+
+
+def test_the_plan_counts_the_gpu_attention_kernels_own_buffers():
+    """On a GPU, NRGPT's full heads (head dim D = 768, past flash's 256) take the memory-efficient
+    kernel, whose forward accumulates its output, and whose backward dQ, in fp32 buffers that no
+    output shows: the GPU's plan holds at least one fp32 [B, H, T, d] more than the same pass on
+    the CPU's kernel, which keeps the same outputs. GPT's heads take flash, whose backward also
+    accumulates dQ in fp32; there the peak is elsewhere (the loss over the vocabulary)."""
+    B, T = 2, 256
+    nrgpt = resolve("nrgpt-ff2w-90m", {"block_size": T, "vocab_size": 512, "n_steps": 2})
+    on_gpu = activation_bytes(nrgpt, B, T, torch.bfloat16, gpu_compute_dtype=torch.bfloat16)
+    on_cpu = activation_bytes(nrgpt, B, T, torch.bfloat16)
+    fp32_heads = 4 * B * nrgpt.n_head * T * nrgpt.head_dim
+    assert on_gpu - on_cpu >= fp32_heads
+    gpt = resolve("gpt-124m", {"block_size": T, "n_layer": 2})
+    assert activation_bytes(gpt, B, T, torch.bfloat16, gpu_compute_dtype=torch.bfloat16) >= \
+        activation_bytes(gpt, B, T, torch.bfloat16)
 
 
 def test_activation_figure_follows_the_checkpointing_and_the_micro_batch():
@@ -128,17 +163,62 @@ def plan_relevant(cfg) -> str:
                          cfg.train.precision], sort_keys=True)
 
 
+OWT_GPUS, OWT_BUDGET = 8, 64 * GIB
+"""The OpenWebText configs' micro-batches are the largest whose plan stays under 64 GiB (80 GB / 1.25) on
+8 x H100 80 GB."""
+
+
+PLANS: dict[str, object] = {}
+"""Plans made in this session, by what they depend on (`plan_relevant`)."""
+
+
+def owt_plan(path: str, micro_batch_size: int | None = None):
+    """The plan of a config (at `micro_batch_size` instead of its own) on 8 x H100 80 GB, made
+    once for configs alike."""
+    cfg = load_config(path, [] if micro_batch_size is None else [f"data.micro_batch_size={micro_batch_size}"])
+    key = plan_relevant(cfg)
+    if key not in PLANS:
+        PLANS[key] = make_plan(path, cfg, gpus=OWT_GPUS, gpu="h100-80gb", find_largest=False)
+    return PLANS[key]
+
+
+def openwebtext_plans() -> dict[str, object]:
+    return {path: owt_plan(path) for path in sorted(glob.glob("configs/owt/*.yaml"))}
+
+
 def test_every_openwebtext_config_fits_an_80gb_gpu_at_8_gpus():
-    configs = {}
-    for path in sorted(glob.glob("configs/owt/*.yaml")):
-        configs.setdefault(plan_relevant(load_config(path)), path)
-    assert len(configs) >= 7
-    for path in configs.values():
-        cfg = load_config(path)
-        plan = make_plan(path, cfg, gpus=8, gpu="h100-80gb", find_largest=False)
+    plans = openwebtext_plans()
+    assert len({id(plan) for plan in plans.values()}) >= 7  # distinct configs
+    for path, plan in plans.items():
         print(f"\n{path}: {plan.parts.total / GIB:.1f} GiB at micro-batch {plan.micro_batch_size}")
         assert plan.fits and plan.parts.activations > 0, path
-        assert resolve_precision(cfg.train.precision, has_gpu=True).name == plan.precision == "bf16"
+        assert resolve_precision(load_config(path).train.precision, has_gpu=True).name == plan.precision == "bf16"
+
+
+CONFIG_PLAN_COMMENT = re.compile(
+    r"micro-batch (\d+) at most per GPU, the largest that `python -m pretrain\.plan` puts under 64 GiB at "
+    r"8 x 80 GB \((\d+\.\d) GiB; its estimates hold to (\d+)%\)")
+
+
+def test_the_openwebtext_configs_comments_are_their_plans():
+    """Each config's comment names its micro-batch, the plan's total at it, and the tolerance the
+    plan holds to against the allocator (`PLAN_TOLERANCE`); no larger micro-batch the trainer
+    could take (a divisor of the 48 sequences per GPU) plans under the 64 GiB budget."""
+    for path, plan in openwebtext_plans().items():
+        cfg = load_config(path)
+        header = " ".join(line.lstrip("# ") for line in open(path).read().split("\nrun_name:")[0].splitlines())
+        said = CONFIG_PLAN_COMMENT.search(header)
+        assert said, f"{path}: no plan in its comment"
+        micro, total, tolerance = int(said[1]), said[2], int(said[3])
+        assert micro == cfg.data.micro_batch_size == plan.micro_batch_size, path
+        assert total == f"{plan.parts.total / GIB:.1f}", f"{path} says {total} GiB, plans {plan.parts.total / GIB:.2f}"
+        assert tolerance == round(100 * PLAN_TOLERANCE), path
+        assert plan.parts.total <= OWT_BUDGET, path
+        per_gpu = cfg.train.global_batch_size // OWT_GPUS
+        larger = [m for m in range(micro + 1, per_gpu + 1) if per_gpu % m == 0]
+        if larger:
+            over = owt_plan(path, larger[0])
+            assert over.parts.total > OWT_BUDGET, f"{path}: micro-batch {larger[0]} plans under the budget too"
 
 
 def run_main(capsys, *argv):
@@ -176,8 +256,10 @@ def test_table_says_whether_it_fits(capsys):
     assert "micro-batch 8 x 1 process(es) x 1 accumulation step(s)" in out
 
 
-def test_table_shows_a_tiny_step_time_and_the_micro_batch_cap(capsys):
-    code, out, err = run_main(capsys, "--config", "configs/tiny/gpt.yaml", "--gpus", "2", "--micro-batch", "100000")
+def test_table_shows_a_tiny_step_time_and_the_micro_batch_cap(capsys, tmp_path):
+    # the flavor's own vocabulary, whether or not the working tree holds the tiny config's dataset
+    code, out, err = run_main(capsys, "--config", "configs/tiny/gpt.yaml", "--gpus", "2", "--micro-batch", "100000",
+                              f"data.path={tmp_path / 'none'}")
     assert code == 0, err
     # a tiny model's step takes under a microsecond at 30-50% of an H100's peak: a unit that shows it
     step_time = next(line for line in out.splitlines() if line.startswith("step time: "))

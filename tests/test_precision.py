@@ -195,14 +195,16 @@ def test_bf16_autocast_deepspeed_config_and_plan(tmp_path):
 
 def test_plan_counts_bf16_autocast_as_fp32_weights_and_bf16_matmuls():
     """`pretrain.plan` under bf16-autocast: the model states of fp32 training (more than bf16's),
-    activations measured in fp32 (an upper bound of autocast's mix), the bf16 tensor-core peak."""
+    activations measured in fp32 (an upper bound of autocast's mix) with bf16's attention kernel
+    (flash, where fp32 takes the memory-efficient one: small outputs of their own differ), the
+    bf16 tensor-core peak."""
     path = "configs/owt/gpt_124m.yaml"
     plans = {precision: make_plan(path, load_config(path, [f"train.precision={precision}"]), gpus=8,
                                   gpu="h100-80gb", find_largest=False)
              for precision in ("fp32", "bf16", "bf16-autocast")}
     autocast = plans["bf16-autocast"]
     assert autocast.precision == "bf16-autocast"
-    assert autocast.parts.as_dict() == plans["fp32"].parts.as_dict()
+    assert autocast.parts.as_dict() == pytest.approx(plans["fp32"].parts.as_dict(), rel=1e-4)
     assert autocast.parts.total > plans["bf16"].parts.total
     assert autocast.step_time_s == plans["bf16"].step_time_s is not None
 

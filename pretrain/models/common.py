@@ -21,7 +21,8 @@ class ModelOutput:
     loss: torch.Tensor | None
     """Mean next-token cross entropy over all positions; None when no targets are given."""
     logits: torch.Tensor
-    """[B, T, V] next-token logits (for EBT: the final candidate, as log-probabilities)."""
+    """[B, T, V] next-token logits (for EBT: the final candidate, as log-probabilities outside
+    training)."""
     diagnostics: dict[str, torch.Tensor] = field(default_factory=dict)
     """0-d tensors are scalars to log; 1-d tensors hold one value per recurrent/descent step."""
 

@@ -45,7 +45,7 @@ from pretrain.models.descent_plumbing import seeded_rng
 from pretrain.models.ebt_descent import EnergyDescent
 from pretrain.models.llama import LlamaConfig, block_flops, check_length, init_weights
 from pretrain.models.registry import FamilySpec, register_family, register_flavor
-from pretrain.models.replay import LEGACY_REPLAY_BUFFERS, ReplayStore, replay_store_bytes
+from pretrain.models.replay import LEGACY_REPLAY_BUFFERS, ReplayStore, replay_scratch_bytes, replay_store_bytes
 
 
 @dataclass
@@ -277,9 +277,11 @@ class EBT(LanguageModel):
         """Training: loss = the S1/S2 objective (mean CE over steps, or last step when
         truncated) over the batch and any replayed rows. Eval: loss = the cross entropy of the
         final candidate, the model's prediction, so it compares with a plain LM's. `logits` are
-        log_softmax of the final candidate (detached). Diagnostics: `energy` [S], `alpha`, and
-        with targets `loss_per_step` [S], `loss_first_step`, `loss_last_step`; per-token
-        energies [S, B, T] under `_token_energy` when `return_energies`."""
+        log_softmax of the final candidate (detached); in training the final candidate itself, the
+        same distribution unnormalised, which costs no pass over [B, T, V] (a training step uses
+        only the loss). Diagnostics: `energy` [S], `alpha`, and with targets `loss_per_step` [S],
+        `loss_first_step`, `loss_last_step`; per-token energies [S, B, T] under `_token_energy`
+        when `return_energies`."""
         cfg = self.config
         B, T = idx.shape
         check_length(cfg, T)
@@ -307,7 +309,8 @@ class EBT(LanguageModel):
             loss = result.loss if self.training else loss_per_step[-1]
         if return_energies:
             diagnostics["_token_energy"] = result.energies[:, :B]
-        return ModelOutput(loss=loss, logits=F.log_softmax(result.candidate[:B], dim=-1),
+        final = result.candidate[:B]
+        return ModelOutput(loss=loss, logits=final if self.training else F.log_softmax(final, dim=-1),
                            diagnostics=diagnostics)
 
     @torch.no_grad()
@@ -452,7 +455,8 @@ def largest_step(config: EBTConfig) -> EBTConfig:
 
 register_family(FamilySpec(
     "ebt", EBTConfig, EBT, thinks=True, rank_states=replay_stores, rank_state_bytes=replay_store_bytes,
-    replayed_rows=EBTConfig.replayed_rows, largest_step=largest_step, stale_buffers=LEGACY_REPLAY_BUFFERS))
+    rank_state_scratch_bytes=replay_scratch_bytes, replayed_rows=EBTConfig.replayed_rows, largest_step=largest_step,
+    stale_buffers=LEGACY_REPLAY_BUFFERS))
 
 # The paper's recipes at "small" (12L/768/12h; 126.8M with the two V x D tables at V=50304), as the
 # released scripts (the S1/S2 kinds: Appendix C.2; their hyperparameters: Tables D.3 and D.4).

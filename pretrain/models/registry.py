@@ -61,6 +61,9 @@ class FamilySpec:
     checkpoint saves it in a file per rank and name."""
     rank_state_bytes: Callable[[Any], int] = no_rank_state_bytes
     """Device bytes of one rank's `rank_states` for a config, which the memory planner adds."""
+    rank_state_scratch_bytes: Callable[[Any], int] = no_rank_state_bytes
+    """Device bytes a training step of a config allocates for a moment as its forward ends, to
+    update the `rank_states` (for the planner)."""
     replayed_rows: Callable[[Any, int], int] = no_replayed_rows
     """The rows a training micro-batch of that many rows is extended by, at most (for the planner)."""
     largest_step: Callable[[Any], Any] = same_config

@@ -46,6 +46,20 @@ def replay_store_bytes(config: Any) -> int:
     return sum(math.prod(shape) * dtype.itemsize for shape, dtype in replay_layout(config).values())
 
 
+def replay_scratch_bytes(config: Any) -> int:
+    """Device bytes `ReplayStore.store` allocates for a moment beside the store (0 without a replay
+    buffer or with whole logits kept), at most: `kept` of one chunk of float32 candidates [rows,
+    T, V] holds their log-probabilities (the top ids masked in place) and the logsumexp's shifted
+    copy at once, with the top-k values and ids. (Decoding replayed rows, `extend`,
+    happens as a step begins, far below its peak.)"""
+    k = kept_probabilities(config) if config.replay_buffer_size else 0
+    if not k:
+        return 0
+    row_bytes = config.block_size * config.vocab_size * 4
+    rows = min(config.replay_buffer_size, max(1, STORE_CHUNK_BYTES // row_bytes))
+    return rows * config.block_size * (2 * config.vocab_size * 4 + k * (4 + 8))
+
+
 class ReplayStore:
     """The replay buffer of one rank (S2, Sec. 3.3): a ring of `replay_buffer_size` recent
     training rows, their tokens, targets and final candidates, which later batches restart from.
