@@ -13,13 +13,14 @@ start-up included:
 - EBT's second-order numerics at paper depth (12 layers, T=1024): loss and every gradient in
   bf16 against a float32 reference.
 
-    python -m bench.gpu [--out DIR] [--budget-s 300] [--only TEXT ...] [--dry-run]
+    python -m bench.gpu [--out DIR] [--budget-s 300] [--part N] [--only TEXT ...] [--dry-run]
     python -m bench.gpu --device cpu --tiny --out DIR    # the same code path on tiny flavors (CI)
     bench/gpu.sh [ARGS]                                  # installs carried wheels first if needed
     bench/gpu.sh --dry-run [ARGS]                        # the plan and the wheels it needs; no GPU
 
-The cases run in order of value (`case_plan`): the first ones' caps fit the budget, and the rest
-run on the time that those leave unused. One worker process runs them in turn, each under a time
+The cases, in order of value (`case_plan`), are packed into parts whose caps fit the budget
+(`parts`): `--part N` runs part N's cases, each sure to get its whole cap, then the later parts'
+on the time those leave unused. One worker process runs them in turn, each under a time
 cap that an alarm signal enforces inside it. This process schedules and reports: a hang inside a
 CUDA call or a compile, which no signal handler reaches, or a crash of the worker still leaves a
 report, because this process kills a worker that overruns a case's cap, reports that case, and
@@ -36,7 +37,6 @@ import contextlib
 import dataclasses
 import datetime
 import gc
-import itertools
 import json
 import math
 import os
@@ -55,7 +55,8 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from bench.gpu_report import GIB, markdown, summary_line, write_reports
-from common.cli import STOP_SIGNALS, ArgumentParser, Stopped, run_command, signals_held, stop_signals_raising
+from common.cli import (STOP_SIGNALS, ArgumentParser, Stopped, positive_int, run_command, signals_held,
+                        stop_signals_raising)
 from common.fileio import markdown_table
 
 REPO = Path(__file__).resolve().parent.parent
@@ -85,10 +86,13 @@ COMPILE_BACKEND = {"gpu": "inductor", "tiny": "aot_eager"}
 """`model.compile` of the compiled runs; on a CPU, inductor's C++ builds would take minutes, so
 --tiny traces the same way (TorchDynamo, AOTAutograd) without generating code."""
 CASE_CAPS_S = {
-    "gpu": {"memory": 60.0, "bf16_check": 45.0, "train": 40.0, "compiled": 90.0},
+    "gpu": {"memory": 60.0, "bf16_check": 45.0, "train": 40.0, "compiled": 80.0},
     "tiny": {"memory": 30.0, "bf16_check": 30.0, "train": 30.0, "compiled": 30.0},
 }
-"""Time cap of one case (engine build, compilation, warmup, timed steps) by what it runs."""
+"""Time cap of one case (engine build, compilation, warmup, timed steps) by what it runs. A
+compiled case's inductor compiles two graphs (forward, backward) and transformer_pp's a third,
+11-13 s each on a cold cache (docs/benchmarks.md); at 80 s every flagship as configured fits two
+300 s runs (`parts`)."""
 BUDGET_S = {"gpu": 300.0, "tiny": 150.0}
 """Default wall-clock budget of a whole run, start-up included."""
 STARTUP_S = 90.0
@@ -189,28 +193,29 @@ def case_plan(tiny: bool) -> list[Case]:
             *the_other_way]
 
 
-def schedule(cases: list[Case]) -> list[float]:
-    """When each case ends at the latest, in seconds from the start of the run, if every case
-    before it takes its whole cap: after the first worker's start-up (MIN_START_S). A case that
-    ends by `budget - REPORT_RESERVE_S` is sure to run; the ones after it run in the time that
-    the cases before them leave unused, while the budget lasts, and are reported as skipped
-    when it does not."""
-    return list(itertools.accumulate((case.cap_s for case in cases), initial=MIN_START_S))[1:]
+def parts(cases: list[Case], budget_s: float) -> list[list[Case]]:
+    """`cases` in runs of `budget_s` each: every case goes to the first run with room for its cap
+    beside the worker's start-up (MIN_START_S) and the reports' reserve, so each run is sure to
+    give each of its cases its whole cap, and the most valuable cases come first. A case whose
+    cap is more than a run leaves (a budget too short) makes a part alone, and gets the time left."""
+    room = budget_s - MIN_START_S - REPORT_RESERVE_S
+    packed: list[list[Case]] = []
+    for case in cases:
+        run = next((run for run in packed if sum(c.cap_s for c in run) + case.cap_s <= room), None)
+        if run is None:
+            packed.append(run := [])
+        run.append(case)
+    return packed
 
 
-def describe_plan(cases: list[Case], budget_s: float) -> str:
-    """The dry run's account of a run: the cases in order, their caps, and which the budget is
-    sure to fit."""
-    last = budget_s - REPORT_RESERVE_S
-    ends = schedule(cases)
-    sure = sum(end <= last for end in ends)
-    rows = [{"#": i, "case": case.name, "cap s": case.cap_s, "ends by s": end,
-             "runs": "surely" if end <= last else "if earlier cases leave time"}
-            for i, (case, end) in enumerate(zip(cases, ends), 1)]
-    return (f"{len(cases)} cases in a {budget_s:.0f} s budget: {MIN_START_S:.0f} s for the worker's start-up, "
-            f"{REPORT_RESERVE_S:.0f} s kept for the reports; the first {sure} are sure to run, each within its "
-            f"cap, and the rest run, in this order, on the time the cases before them leave unused.\n\n"
-            + markdown_table(rows, {"cap s": ".0f", "ends by s": ".0f"}))
+def describe_plan(packed: list[list[Case]], budget_s: float) -> str:
+    """The dry run's account: each part's cases in order with their caps."""
+    rows = [{"part": n, "case": case.name, "cap s": case.cap_s}
+            for n, run in enumerate(packed, 1) for case in run]
+    return (f"{sum(map(len, packed))} cases in {len(packed)} part(s) of a {budget_s:.0f} s budget each "
+            f"({MIN_START_S:.0f} s for the worker's start-up and {REPORT_RESERVE_S:.0f} s for the reports "
+            f"kept): `--part N` gives each of part N's cases its whole cap, then runs the later parts' "
+            f"cases on the time those leave unused.\n\n" + markdown_table(rows, {"cap s": ".0f"}))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -659,9 +664,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=None,
                         help="wall-clock budget of the whole run (default 300 s; 150 s with --tiny)")
     parser.add_argument("--only", nargs="+", metavar="TEXT", help="run only cases whose name contains one of these")
+    parser.add_argument("--part", type=positive_int, default=1,
+                        help="run this part of the plan first (default 1; --dry-run lists them)")
     parser.add_argument("--peak-tflops", type=float, default=None, help="peak for MFU (default: by device name)")
     parser.add_argument("--dry-run", action="store_true",
-                        help="print the cases in order, their caps and which the budget is sure to fit; run nothing")
+                        help="print the parts of the plan, their cases in order and caps; run nothing")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -679,9 +686,15 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --only matches no case", file=sys.stderr)
         return 2
     budget = args.budget_s or BUDGET_S["tiny" if tiny else "gpu"]
+    packed = parts(plan, budget)
     if args.dry_run:
-        print(describe_plan(plan, budget), end="")
+        print(describe_plan(packed, budget), end="")
         return 0
+    if args.part > len(packed):
+        print(f"error: --part {args.part}: the plan has {len(packed)} part(s) at a {budget:.0f} s budget",
+              file=sys.stderr)
+        return 2
+    plan = [case for run in packed[args.part - 1:] for case in run]
     if args.device == "cuda" and not _has_cuda():
         print("error: no CUDA device is visible; use --device cpu --tiny for the CPU smoke test", file=sys.stderr)
         return 2

@@ -37,6 +37,13 @@ class Stopped(BaseException):
         self.signum = signum
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number of at least 1."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+    return int(text)
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """Every command's parser: a usage error is one `error: ...` line and status 2, like every
     other bad input (argparse would print its usage first)."""

@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from common.cli import ArgumentParser, run_command
+from common.cli import ArgumentParser, positive_int, run_command
 from pretrain.config import DownstreamSection, EvalSection
 from pretrain.models import family_spec
 from pretrain.models.probes import never_rising, rank_correlation, read_out_each_step, state_energies
@@ -240,13 +240,6 @@ def evaluate_downstream(model: torch.nn.Module, settings: DownstreamSection, man
 
 # --- the downstream command ------------------------------------------------------------------
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def _tolerance(text: str) -> float:
     try:
         value = float(text)
@@ -273,13 +266,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("source", help="run directory, checkpoint directory or exported .safetensors file")
     parser.add_argument("--checkpoint", help="checkpoint of the run directory: a tag (step_00001000) or a step")
     parser.add_argument("--tasks", required=True, help="suites (core, nrgpt_paper, ebt_paper) and/or task names, comma-separated")
-    parser.add_argument("--limit", type=_positive_int, help="documents per task (the first N); default all")
+    parser.add_argument("--limit", type=positive_int, help="documents per task (the first N); default all")
     parser.add_argument("--think-steps", type=_step_list, help="EBT: evaluate at each of these inference step counts")
-    parser.add_argument("--best-of", type=_positive_int, default=1, help="EBT: noise samples per position (lowest energy kept)")
+    parser.add_argument("--best-of", type=positive_int, default=1, help="EBT: noise samples per position (lowest energy kept)")
     parser.add_argument("--think-until", type=_tolerance, metavar="TOL",
                         help="EBT: stop a position's descent once a step changes its energy by less than TOL "
                         "times the energy (--think-steps is then the most it takes)")
-    parser.add_argument("--batch-size", type=_positive_int, default=8, help="sequences per forward pass")
+    parser.add_argument("--batch-size", type=positive_int, default=8, help="sequences per forward pass")
     parser.add_argument("--device", help="cpu, cuda or cuda:N (default: this rank's GPU if there is one)")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="weights and activations")
     parser.add_argument("--reference", help="owt_generation: the model (run, checkpoint or export) whose "

@@ -15,7 +15,6 @@ own buffers), while every tensor the pass creates is counted until it is freed; 
 the figure. Paper-scale flavors answer in seconds on a machine without a GPU."""
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -30,7 +29,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from common.cli import ArgumentParser, run_command
+from common.cli import ArgumentParser, positive_int, run_command
 from pretrain.config import (ConfigError, RunConfig, batch_split, describe_batch_split, load_config, model_config,
                              validate)
 from pretrain.engine import deepspeed_config
@@ -483,18 +482,12 @@ def duration_unit(seconds: float) -> tuple[float, str]:
     return 1e9, "ns"
 
 
-def _positive(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
-    return int(text)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="python -m pretrain.plan", description=__doc__.split("\n\n")[1])
     parser.add_argument("--config", required=True, help="YAML run config (configs/...)")
-    parser.add_argument("--gpus", type=_positive, required=True, help="GPUs the run will have (all nodes)")
+    parser.add_argument("--gpus", type=positive_int, required=True, help="GPUs the run will have (all nodes)")
     parser.add_argument("--gpu", choices=sorted(GPUS), default="h100-80gb", help="the kind of GPU (default h100-80gb)")
-    parser.add_argument("--micro-batch", type=_positive, metavar="M",
+    parser.add_argument("--micro-batch", type=positive_int, metavar="M",
                         help="plan with data.micro_batch_size=M (default: the config's)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value",

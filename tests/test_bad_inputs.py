@@ -235,10 +235,10 @@ CASES = {
     "sample with an unknown dtype": (sample("{empty_run}", "--dtype", "fp8"), "invalid choice: 'fp8'"),
     # downstream evaluation
     "evaluate an unknown task": (evaluate("{empty_run}", "--tasks", "bogus"), "unknown task 'bogus'"),
-    "evaluate with limit zero": (evaluate("{empty_run}", "--tasks", "core", "--limit", "0"), "must be >= 1"),
+    "evaluate with limit zero": (evaluate("{empty_run}", "--tasks", "core", "--limit", "0"), "must be a whole number >= 1"),
     "evaluate zero think steps": (evaluate("{empty_run}", "--tasks", "core", "--think-steps", "0"), "step counts must be >= 1"),
-    "evaluate best of zero": (evaluate("{empty_run}", "--tasks", "core", "--best-of", "0"), "must be >= 1"),
-    "evaluate batch size zero": (evaluate("{empty_run}", "--tasks", "core", "--batch-size", "0"), "must be >= 1"),
+    "evaluate best of zero": (evaluate("{empty_run}", "--tasks", "core", "--best-of", "0"), "must be a whole number >= 1"),
+    "evaluate batch size zero": (evaluate("{empty_run}", "--tasks", "core", "--batch-size", "0"), "must be a whole number >= 1"),
     "evaluate a missing checkpoint": (evaluate("{empty_run}", "--tasks", "core", "--checkpoint", "5"),
                                       "no complete checkpoint step_00000005"),
     "evaluate on a CUDA device this machine lacks": (evaluate("{empty_run}", "--tasks", "core", "--device", "cuda:99"),

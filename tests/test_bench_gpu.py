@@ -164,28 +164,32 @@ def test_the_bf16_gradient_tolerance_is_set_from_bench_precisions_figures():
     assert worst < gpu.bf16_tolerance()["grads"] == gpu.BF16_MARGIN * worst <= 3 * worst
 
 
-def test_cases_run_in_order_of_value_and_the_first_ones_caps_fit_the_budget(tiny_report):
+def test_cases_run_in_order_of_value_in_parts_whose_caps_fit_the_budget(tiny_report):
     """The memory probe, the bf16 check, each flagship as its config sets it (compiled, but
-    EBT), the attention probe, each flagship the other way; the caps of the first cases fit the
-    budget with the worker's start-up and the reports' reserve, and the rest run on the time
-    that those leave: in the tiny run, whose caps add up to more than its budget, all of them."""
+    EBT), the attention probe, each flagship the other way; packed into parts whose caps fit the
+    budget beside the worker's start-up and the reports' reserve, every flagship as configured
+    within the first two (the two runs of one device session). A run of part 1 goes on into the
+    later parts on the time left: in the tiny run, whose caps fill 4 parts, all of them ran."""
     plan = gpu.case_plan(tiny=False)
     own = [c for c in plan if c.name.endswith(" (config)")]
     other = [c for c in plan if c.config in gpu.FLAGSHIPS and c not in own]
     assert [c.config for c in own] == list(gpu.FLAGSHIPS)
     assert [c.kind for c in plan[:2]] == ["train", "bf16_check"] and plan[0].fill_replay_store
     assert plan == [*plan[:2], *own, *[c for c in plan if c.config == gpu.ATTENTION_PROBE[0]], *other]
-    ends = gpu.schedule(plan)
-    assert ends[0] == gpu.MIN_START_S + plan[0].cap_s
-    assert all(later - earlier == case.cap_s for earlier, later, case in zip(ends, ends[1:], plan[1:]))
-    sure = [case.name for case, end in zip(plan, ends) if end <= gpu.BUDGET_S["gpu"] - gpu.REPORT_RESERVE_S]
-    assert sure == [c.name for c in plan[:4]] and "gpt_124m compile=inductor (config)" in sure
+    budget = gpu.BUDGET_S["gpu"]
+    packed = gpu.parts(plan, budget)
+    assert sorted(c.name for run in packed for c in run) == sorted(c.name for c in plan)
+    for run in packed:
+        assert gpu.MIN_START_S + sum(c.cap_s for c in run) + gpu.REPORT_RESERVE_S <= budget
+        assert run == [c for c in plan if c in run]  # in order of value within a part
+    assert packed[0][:2] == plan[:2] and all(case in packed[0] + packed[1] for case in own)
+    assert [len(run) for run in gpu.parts(plan, 100)] == [1] * len(plan)  # each cap over the 60 s left
 
     report, _ = tiny_report
     tiny = gpu.case_plan(tiny=True)
-    last = report["budget_s"] - gpu.REPORT_RESERVE_S
-    assert sum(end <= last for end in gpu.schedule(tiny)) < len(tiny)
+    assert len(gpu.parts(tiny, report["budget_s"])) > 1
     assert {c["status"] for c in measured(report).values()} == {"ok"}
+    assert len(report["cases"]) == len(tiny)
 
 
 def test_the_dry_run_prints_the_wheels_and_the_plan_without_a_gpu():
@@ -202,12 +206,9 @@ def test_the_dry_run_prints_the_wheels_and_the_plan_without_a_gpu():
         tag = f"{python}-*manylinux*_x86_64" if name in binary else "py3-none-any"
         shown = [f"{name}=={version}", f"{name.replace('-', '_')}-{version}-{tag}.whl"]
         assert any(line.split()[:2] == shown for line in lines), (shown, result.stdout)
-    plan = gpu.case_plan(tiny=False)
-    rows = [line.split(" | ") for line in lines if re.match(r"\| \d+ \|", line)]
-    assert [row[1] for row in rows] == [c.name for c in plan]
-    assert [float(row[2]) for row in rows] == [c.cap_s for c in plan]
-    assert [row[4].rstrip(" |") == "surely" for row in rows] == [
-        end <= gpu.BUDGET_S["gpu"] - gpu.REPORT_RESERVE_S for end in gpu.schedule(plan)]
+    packed = gpu.parts(gpu.case_plan(tiny=False), gpu.BUDGET_S["gpu"])
+    rows = [line.strip("| ").split(" | ") for line in lines if re.match(r"\| \d+ \|", line)]
+    assert rows == [[str(n), case.name, f"{case.cap_s:.0f}"] for n, run in enumerate(packed, 1) for case in run]
 
 
 def test_markdown_has_one_row_per_training_case(tiny_report):

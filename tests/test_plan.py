@@ -272,7 +272,7 @@ def test_table_shows_a_tiny_step_time_and_the_micro_batch_cap(capsys, tmp_path):
 @pytest.mark.parametrize("argv, says", [
     (["--config", "configs/tiny/gpt.yaml", "--gpus", "2", "--gpu", "v100"], "invalid choice: 'v100'"),
     (["--config", "configs/tiny/gpt.yaml", "--gpus", "3"], "3 processes cannot share it evenly"),
-    (["--config", "configs/tiny/gpt.yaml", "--gpus", "0"], "expected a positive whole number"),
+    (["--config", "configs/tiny/gpt.yaml", "--gpus", "0"], "must be a whole number >= 1, got '0'"),
     (["--config", "configs/tiny/missing.yaml", "--gpus", "1"], "config file not found"),
     (["--config", "configs/tiny/gpt.yaml", "--gpus", "1", "model.flavor=gpt-huge"], "unknown model flavor"),
     (["--config", "configs/scaling/isoflop.yaml", "--gpus", "1"],
