@@ -331,13 +331,12 @@ def measure_training(case: Case, settings: Settings, cap_s: float, result: dict)
         try:
             trainer.build_engine(settings.vocab_size)
             result.update(params=trainer.params, flops_per_token=trainer.flops_per_token)
-            trainer.batches = synthetic_batches(micro_batch, seq_len, settings.vocab_size, pin=on_gpu)
+            trainer.feed(synthetic_batches(micro_batch, seq_len, settings.vocab_size, pin=on_gpu))
             losses: list[float] = []
 
             def step() -> float:
                 start = time.perf_counter()
                 losses.append(trainer.train_step(log_now=False).loss)  # ends in a host sync (.tolist())
-                trainer.state.step += 1
                 return time.perf_counter() - start
 
             for _ in range(settings.warmup):
@@ -372,9 +371,7 @@ def measure_training(case: Case, settings: Settings, cap_s: float, result: dict)
                               peak_reserved_gib=torch.cuda.max_memory_reserved() / GIB)
                 if "plan" in result:
                     result["peak_over_plan"] = torch.cuda.max_memory_allocated() / result["plan"]["tensors"]
-            if "engine" in trainer.__dict__:
-                trainer.engine.destroy()
-            trainer.close()
+            trainer.close(release_engine=True)
 
 
 ENERGY_HEAD = "descent.energy_head.weight"

@@ -26,6 +26,7 @@ import sys
 import time
 from dataclasses import asdict
 from datetime import timedelta
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -218,8 +219,6 @@ class Trainer:
             # the first update too, so that curves and console show where the loss started
             log_now = update % cfg.train.log_interval == 0 or update in (1, self.total_steps)
             result = self.train_step(log_now)
-            self.state.step += 1
-            self.state.tokens_seen += result.tokens
             self.metrics.advance()
             if result.nonfinite:
                 self.state.skipped_steps += 1
@@ -262,7 +261,8 @@ class Trainer:
         return 0
 
     def train_step(self, log_now: bool) -> StepResult:
-        """One optimizer step over the batch split's micro-batches on every rank."""
+        """One optimizer step over the batch split's micro-batches on every rank; the run's state
+        counts it (its step and tokens seen), whether or not the update was applied."""
         engine, cfg = self.engine, self.cfg
         start = time.perf_counter()
         step = self.state.step
@@ -318,6 +318,8 @@ class Trainer:
                             grad_norm=None if grad_norm is None else float(grad_norm), diagnostics=diagnostics,
                             stop=stop > 0)
         self.throughput.add(result)
+        self.state.step += 1
+        self.state.tokens_seen += result.tokens
         return result
 
     def _reload_after_nonfinite(self, skips: int) -> None:
@@ -335,12 +337,23 @@ class Trainer:
         self._continue_from(resumed, reload=True)
         self.metrics.scalars(self.state.step, {"train/reloads": self.state.reloads})
 
-    def close(self) -> None:
-        """Stop the data loader workers and release streaming's shared memory now rather than
-        whenever garbage collection gets to it, so that a next run in the same process starts
-        clean; restore the signal handlers."""
+    def feed(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Train on these (inputs, targets) micro-batches from now on instead of the dataset's
+        (a benchmark's synthetic tokens, without `setup`): after `build_engine`."""
         if self.batches is not None:
             self.batches.close()
+        self.batches = batches
+
+    def close(self, release_engine: bool = False) -> None:
+        """Stop the data loader workers and release streaming's shared memory now rather than
+        whenever garbage collection gets to it, so that a next run in the same process starts
+        clean; restore the signal handlers. `release_engine`: also free the engine's optimizer
+        state and hooks (a process that builds another engine next); not where a collective may
+        have failed, since DeepSpeed synchronises the device first, which waits on a dead peer."""
+        if self.batches is not None:
+            self.batches.close()
+        if release_engine and hasattr(self, "engine"):
+            self.engine.destroy()
         self.checkpoints.release()
         for name in ("batches", "loader", "val_loader", "engine"):
             self.__dict__.pop(name, None)

@@ -32,20 +32,18 @@ def main() -> None:
             f"model.compile={variant.get('compile', 'off')}"])
         trainer = Trainer(cfg)
         trainer.build_engine(VOCAB_SIZE)
-        trainer.batches = synthetic_batches(MICRO_BATCH, SEQ_LEN, VOCAB_SIZE, pin=False)
+        trainer.feed(synthetic_batches(MICRO_BATCH, SEQ_LEN, VOCAB_SIZE, pin=False))
         initial = torch.cat([p.detach().flatten() for p in trainer.engine.module.parameters()])
         losses = []
         for _ in range(STEPS):
             losses.append(trainer.train_step(log_now=False).loss)
-            trainer.state.step += 1
         params = torch.cat([p.detach().flatten() for p in trainer.engine.module.parameters()])
         print(json.dumps({"variant": name, "losses": losses, "params": params.tolist(),
                           "moved": (params - initial).abs().tolist(),
                           "fused": trainer.engine.basic_optimizer.defaults["fused"],
                           "compiled": trainer.engine.is_compiled,
                           "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"]}), flush=True)
-        trainer.engine.destroy()
-        trainer.close()
+        trainer.close(release_engine=True)
 
 
 if __name__ == "__main__":

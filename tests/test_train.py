@@ -278,7 +278,7 @@ def test_a_micro_batch_drops_the_logits_before_its_backward(tmp_path):
 
     try:
         trainer.build_engine(vocab)
-        trainer.batches = synthetic_batches(micro_batch, cfg.data.seq_len, vocab, pin=False)
+        trainer.feed(synthetic_batches(micro_batch, cfg.data.seq_len, vocab, pin=False))
         trainer.engine.module.register_forward_hook(watch)
         result = trainer.train_step(log_now=True)
         assert math.isfinite(result.loss)
