@@ -52,6 +52,7 @@ def main() -> None:
     import deepspeed
 
     from pretrain import checkpoint
+    from pretrain.checkpoint.layout import UNIVERSAL
     from pretrain.config import load_config, validate
     from pretrain.engine import distributed_env
     from pretrain.train import Trainer
@@ -84,8 +85,8 @@ def main() -> None:
             times["load as saved"].append(timed(lambda: checkpoint.load_engine_state(engine, tag_dir, False)))
             times["convert to universal (once)"].append(timed(lambda: checkpoint.ensure_universal(tag_dir)))
             times["load universal"].append(timed(lambda: checkpoint.load_engine_state(engine, tag_dir, True)))
-            sizes = {"checkpoint": tree_bytes(tag_dir) - tree_bytes(tag_dir / checkpoint.UNIVERSAL),
-                     "universal copy": tree_bytes(tag_dir / checkpoint.UNIVERSAL)}
+            sizes = {"checkpoint": tree_bytes(tag_dir) - tree_bytes(tag_dir / UNIVERSAL),
+                     "universal copy": tree_bytes(tag_dir / UNIVERSAL)}
         trainer.close()
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -27,6 +27,7 @@ import trainer_runs as runs
 from common.fileio import atomic_write, atomic_write_text
 from numerics import assert_rounding_close
 from pretrain import checkpoint
+from pretrain.checkpoint import layout
 from pretrain.models import resolve
 from pretrain.models.replay import LEGACY_REPLAY_BUFFERS, ReplayStore, replay_store_bytes
 
@@ -65,7 +66,7 @@ def test_tags_sort_by_step(tmp_path):
         make(ckpt, step)
     assert [p.name for p in checkpoint.list_checkpoints(ckpt)] == [
         "step_00000007", "step_00000080", "step_00000900", "step_00001000"]
-    assert checkpoint.newest_complete(ckpt).name == "step_00001000"
+    assert layout.newest_complete(ckpt).name == "step_00001000"
 
 
 def test_retention_keeps_the_newest_complete_ones(tmp_path):
@@ -74,7 +75,7 @@ def test_retention_keeps_the_newest_complete_ones(tmp_path):
         make(ckpt, step)
     make(ckpt, 6, complete=False)   # left by a crash: older than the newest complete one
     make(ckpt, 16, complete=False)  # newer: could be a write in progress, left alone
-    checkpoint._prune(ckpt, keep=2)
+    layout.prune(ckpt, keep=2)
     assert [p.name for p in checkpoint.list_checkpoints(ckpt)] == [
         "step_00000008", "step_00000012", "step_00000016"]
 
@@ -129,7 +130,7 @@ def test_every_rank_records_rank_0s_listing_of_a_checkpoint(tmp_path):
     assert records[0] == records[1]
     for name in ("b.pt", "c.pt", "d.pt", "e.pt"):
         path = tag_dir / name
-        assert records[0].get(name) == [path.stat().st_size, checkpoint.file_digest(path)], name
+        assert records[0].get(name) == [path.stat().st_size, layout.file_digest(path)], name
 
 
 def _record_worker(tag_dir: Path) -> None:
@@ -219,7 +220,7 @@ def test_a_compact_replay_store_resumes_bit_identically(s2_runs):
 def test_each_rank_saves_its_replay_store_once_in_a_file_of_its_own(s2_runs):
     tag_dir = s2_checkpoint(s2_runs["s2"])
     marker, damage = checkpoint.check_intact(tag_dir)  # every recorded checksum, read back
-    assert damage == [] and sorted(marker.files) == checkpoint.checkpoint_files(tag_dir)
+    assert damage == [] and sorted(marker.files) == layout.checkpoint_files(tag_dir)
     config = resolve(marker.config.model.flavor, marker.model_config)
     stores = [ReplayStore.saved(config, torch.load(checkpoint.state_file(tag_dir, "replay_store", rank))) for rank in (0, 1)]
     for rank, store in enumerate(stores):

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 import trainer_runs as runs
 from pretrain import checkpoint, export
+from pretrain.checkpoint import layout
 from pretrain.models import build, resolve
 
 
@@ -41,7 +42,7 @@ def test_export_of_zero2_run_has_the_trained_weights(matrix, family, tmp_path):
     result = run_export(name, out)
     assert result.returncode == 0, result.stderr[-2000:]
     assert f"sha256 {hashlib.sha256(out.read_bytes()).hexdigest()}" in result.stdout
-    tag_dir = checkpoint.newest_complete(runs.run_dir(name) / "ckpt")
+    tag_dir = layout.newest_complete(runs.run_dir(name) / "ckpt")
     assert tag_dir.name == f"step_{runs.N_STEPS:08d}"
 
     # the reference: the module weights DeepSpeed saved (ZeRO-2 keeps them whole on rank 0),

@@ -19,6 +19,7 @@ import trainer_runs as runs
 from test_launch_scripts import TORCHRUN_SIGNALS
 from data_pipeline.prepare import default_num_proc
 from pretrain import checkpoint
+from pretrain.checkpoint import layout
 from pretrain.runlock import lock_file
 from pretrain.train import EXIT_PREEMPTED
 
@@ -91,11 +92,11 @@ def flip_a_byte(tag_dir: Path) -> Path:
 
 def test_the_marker_records_every_file_with_size_and_checksum(source_run):
     marker = checkpoint.Marker.read(tag(source_run, SOURCE_STEPS))
-    files = checkpoint.checkpoint_files(tag(source_run, SOURCE_STEPS))
+    files = layout.checkpoint_files(tag(source_run, SOURCE_STEPS))
     assert sorted(marker.files) == files and "mp_rank_00_model_states.pt" in files
     assert all(size == (tag(source_run, SOURCE_STEPS) / rel).stat().st_size for rel, (size, _) in marker.files.items())
     assert marker.data["tokenizer"] == "char" and marker.data["seq_len"] == 32
-    assert checkpoint.damaged_files(tag(source_run, SOURCE_STEPS), marker) == []
+    assert layout.damaged_files(tag(source_run, SOURCE_STEPS), marker) == []
 
 
 @pytest.mark.parametrize("damage", [truncate_optimizer_shard, garble_marker, empty_model_states, flip_a_byte])

@@ -25,40 +25,31 @@ The trainer talks to `CheckpointManager` only: `resume_point()` before any work,
 `load()` and `reload_newest()`."""
 from __future__ import annotations
 
-import argparse
-import contextlib
 import dataclasses
-import errno
-import io
 import json
 import os
 import random
 import shutil
-import socket
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import xxhash
 
-from common.fileio import amount, atomic_write, atomic_write_text, mount_point
-from pretrain.config import REPLACED_SUFFIX, ConfigError, RunConfig, from_dict, get_key, model_config, to_dict
+from common.fileio import amount, atomic_write_text, mount_point
+from pretrain.checkpoint.layout import (LATEST, MARKER, CheckpointError, Marker, check_intact,
+                                        find_checkpoint, is_complete, list_checkpoints, prune, rank_state_file,
+                                        record_files, state_file, tag_for, warn)
+from pretrain.checkpoint.universal import ensure_universal, needs_universal
+from pretrain.checkpoint.writes import WriteFailure, recorded_writes
+from pretrain.config import REPLACED_SUFFIX, ConfigError, RunConfig, get_key, model_config
 from pretrain.engine import seed_process
 from pretrain.models import padded_vocab
 from pretrain.runlock import RunLock, hold_run
-
-MARKER = "complete.json"
-LATEST = "latest"
-UNIVERSAL = "universal"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be loaded or converted; the message is one line."""
 
 
 def check_same_model(cfg: RunConfig, tag_dir: Path, marker: Marker) -> None:
@@ -119,47 +110,6 @@ def check_same_precision(precision: str, tag_dir: Path, marker: Marker) -> None:
                       "--format hf --out DIR) and start a new run from its weights with model.init_from=DIR")
 
 
-@dataclass
-class Marker:
-    """`complete.json`: what a checkpoint is, readable without loading it."""
-
-    step: int
-    """Optimizer steps taken when it was written."""
-    world_size: int
-    """Processes that wrote it (ZeRO shards fit only this world size)."""
-    config: RunConfig
-    """The run's resolved config at the time."""
-    model_config: dict
-    """The model family config, as plain data."""
-    time: float = 0.0
-    """When it was completed (seconds since the epoch)."""
-    files: dict[str, list] = field(default_factory=dict)
-    """Relative path -> [size in bytes, xxh3-64 hex digest] of every file written; empty in
-    checkpoints written before integrity records existed (they are trusted as they are)."""
-    data: dict | None = None
-    """Identity of the training data (fingerprint, tokenizer, vocabulary, seq_len); None in
-    checkpoints written before it was recorded."""
-    precision: str | None = None
-    """The precision it was trained in (`train.precision` resolved: `auto` is bf16 or fp32);
-    None in checkpoints written before it was recorded."""
-
-    @classmethod
-    def read(cls, tag_dir: Path) -> Marker:
-        path = tag_dir / MARKER
-        try:
-            raw = json.loads(path.read_text())
-            if not isinstance(raw, dict):
-                raise ValueError("not a JSON object")
-            known = {f.name for f in dataclasses.fields(cls)}
-            values = {k: v for k, v in raw.items() if k in known}
-            values["config"] = from_dict(raw["config"], origin=str(path))
-            return cls(**values)
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{path} is unreadable ({type(e).__name__}: "
-                                  f"{' '.join(str(e).split())})") from None
-
-    def to_json(self) -> str:
-        return json.dumps({**dataclasses.asdict(self), "config": to_dict(self.config)})
 
 
 @dataclass
@@ -176,403 +126,6 @@ class ResumeState:
     """One console line per layout change since the checkpoint was written."""
 
 
-def tag_for(step: int) -> str:
-    return f"step_{step:08d}"
-
-
-def rank_state_file(tag_dir: Path, rank: int) -> Path:
-    return tag_dir / f"rank_state_{rank:05d}.pt"
-
-
-def state_file(tag_dir: Path, name: str, rank: int) -> Path:
-    """The file of `rank`'s per-rank state `name` (`CheckpointManager.states`)."""
-    return tag_dir / f"{name}_{rank:05d}.pt"
-
-
-def is_complete(tag_dir: Path) -> bool:
-    return (tag_dir / MARKER).is_file()
-
-
-def list_checkpoints(ckpt_dir: Path) -> list[Path]:
-    """Checkpoint directories (complete or not), oldest first."""
-    if not ckpt_dir.is_dir():
-        return []
-    return sorted(p for p in ckpt_dir.iterdir() if p.is_dir() and p.name.startswith("step_"))
-
-
-def newest_complete(ckpt_dir: Path) -> Path | None:
-    """The newest complete checkpoint, warning (on rank 0) about newer incomplete ones it skips."""
-    for tag_dir in reversed(list_checkpoints(ckpt_dir)):
-        if is_complete(tag_dir):
-            return tag_dir
-        _warn(f"skipping incomplete checkpoint {tag_dir} (its write was interrupted)")
-    return None
-
-
-def _warn(message: str) -> None:
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"warning: {message}", file=sys.stderr, flush=True)
-
-
-def find_checkpoint(resume: str, ckpt_dir: Path) -> Path | None:
-    """The checkpoint to resume from: `resume` is "auto" (the run's newest complete checkpoint,
-    or None for a fresh start), "never"/"restart" (None) or a path to a checkpoint, a `ckpt/`
-    directory or a run directory (its newest complete checkpoint; an error if it has none)."""
-    if resume in ("never", "restart"):
-        return None
-    if resume == "auto":
-        return newest_complete(ckpt_dir)
-    path = Path(resume)
-    if path.name.startswith("step_"):
-        if not is_complete(path):
-            raise ValueError(f"resume={resume}: checkpoint is incomplete (no {MARKER})")
-        return path
-    for candidate in (path / "ckpt", path):
-        found = newest_complete(candidate)
-        if found is not None:
-            return found
-    raise ValueError(f"resume={resume}: no complete checkpoint found there")
-
-
-# --- integrity --------------------------------------------------------------------------------
-
-def checkpoint_files(tag_dir: Path) -> list[str]:
-    """The files a checkpoint's marker vouches for (relative paths, sorted): everything written
-    with it, not the marker itself nor a universal copy made later."""
-    files = []
-    for path in tag_dir.rglob("*"):
-        rel = path.relative_to(tag_dir)
-        if path.is_file() and rel.parts[0] != UNIVERSAL and not rel.parts[0].startswith(".") \
-                and rel.name != MARKER:
-            files.append(rel.as_posix())
-    return sorted(files)
-
-
-def file_digest(path: Path) -> str:
-    digest = xxhash.xxh3_64()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 23):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _from_rank0(compute):
-    """compute() as rank 0 finds it, on every rank of the job (collective)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return compute()
-    value = [compute() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(value, src=0)
-    return value[0]
-
-
-def _shared(items: list, compute) -> dict:
-    """{item: compute(item)} for rank 0's `items`, with the work split over the ranks of the job
-    (every rank gets the whole result). The split goes by position in rank 0's list: ranks can
-    disagree on what they see (a listing of a network file system with attribute caching), and
-    a list of their own would leave items to no rank. Outside a distributed job, one process
-    does it all."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return {item: compute(item) for item in items}
-    items = _from_rank0(lambda: items)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    mine = {item: compute(item) for i, item in enumerate(items) if i % world == rank}
-    parts = [None] * world
-    dist.all_gather_object(parts, mine)
-    return {k: v for part in parts for k, v in part.items()}
-
-
-def record_files(tag_dir: Path, written: dict[str, list] | None = None) -> dict[str, list]:
-    """[size, digest] of every checkpoint file (collective, once every rank has written its
-    files). `written`: relative path -> [size, digest] of the files this rank hashed as it wrote
-    them; the others (rank 0's listing of the directory, the same for every rank) are hashed by
-    all ranks together."""
-    parts = [written or {}]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, written or {})
-    recorded = {rel: record for part in parts for rel, record in part.items()}
-    listed = checkpoint_files(tag_dir) if not dist.is_initialized() or dist.get_rank() == 0 else []
-    recorded |= _shared([rel for rel in listed if rel not in recorded],
-                        lambda rel: [(tag_dir / rel).stat().st_size, file_digest(tag_dir / rel)])
-    return dict(sorted(recorded.items()))
-
-
-def damaged_files(tag_dir: Path, marker: Marker, checksums: bool = True) -> list[str]:
-    """What no longer matches the marker's record: "path (why)" per file; [] when intact.
-    Sizes first (cheap, by rank 0 for every rank), then (with `checksums`) the checksums of the
-    files whose size is right (collective)."""
-    def sizes() -> tuple[list[str], list[str]]:
-        problems, to_hash = [], []
-        for rel, (size, digest) in sorted(marker.files.items()):
-            path = tag_dir / rel
-            if not path.is_file():
-                problems.append(f"{path} (missing)")
-            elif path.stat().st_size != size:
-                problems.append(f"{path} ({path.stat().st_size} bytes, {size} written)")
-            else:
-                to_hash.append(rel)
-        return problems, to_hash
-
-    problems, to_hash = _from_rank0(sizes)
-    digests = _shared(to_hash if checksums else [], lambda rel: file_digest(tag_dir / rel))
-    problems += [f"{tag_dir / rel} (checksum mismatch)" for rel in digests
-                 if digests[rel] != marker.files[rel][1]]
-    return problems
-
-
-def check_intact(tag_dir: Path, checksums: bool = True) -> tuple[Marker | None, list[str]]:
-    """(marker, damaged files) of a complete checkpoint: (None, [why]) if the marker itself is
-    unreadable. Collective when the job is distributed."""
-    try:
-        marker = Marker.read(tag_dir)
-    except CheckpointError as e:
-        return None, [str(e).removesuffix(".")]
-    return marker, damaged_files(tag_dir, marker, checksums)
-
-
-def needs_universal(saved_world: int, saved_stage: int, world_size: int, zero_stage: int,
-                    tag_dir: Path) -> bool:
-    """Whether a checkpoint of (saved_world, saved_stage) must be loaded through its universal
-    form at (world_size, zero_stage): ZeRO's optimizer shards fit only the world size and stage
-    that wrote them. Without ZeRO (stage 0) every rank holds the whole state, so any world size
-    loads it as saved. A change to or from stage 0 cannot be converted (the universal format
-    holds ZeRO optimizer state): ValueError with a one-line message saying what works instead."""
-    if saved_stage == zero_stage:
-        return zero_stage > 0 and saved_world != world_size
-    if saved_stage == 0:
-        raise ValueError(f"zero.stage={zero_stage}: checkpoint {tag_dir} was saved without ZeRO "
-                         "(stage 0), whose optimizer state cannot be converted to ZeRO shards; resume "
-                         "it with zero.stage=0 (on any number of processes)")
-    if zero_stage == 0:
-        raise ValueError(f"zero.stage=0: checkpoint {tag_dir} holds ZeRO-{saved_stage} shards, which "
-                         "only a ZeRO optimizer loads; resume it with zero.stage=1, 2 or 3 (on any "
-                         "number of processes: the shards are converted automatically)")
-    return True
-
-
-def ensure_universal(tag_dir: Path) -> Path:
-    """The universal form of checkpoint `tag_dir`, made once: rank 0 converts into a staging
-    directory and renames it into place, the other ranks wait for the outcome (a failure is
-    raised on every rank). Collective: every rank must call it."""
-    target = tag_dir / UNIVERSAL
-    error = None
-    if dist.get_rank() == 0 and not target.is_dir():
-        try:
-            _convert_to_universal(tag_dir, target)
-        except Exception as e:  # reported on every rank below
-            error = f"{tag_dir}: conversion to a universal checkpoint failed ({type(e).__name__}: {e})"
-    outcome = [error]
-    dist.broadcast_object_list(outcome, src=0)
-    if outcome[0] is not None:
-        raise CheckpointError(outcome[0])
-    return target
-
-
-def _convert_to_universal(tag_dir: Path, target: Path) -> None:
-    """DeepSpeed's ds_to_universal, in this process: its worker pools would fork a training
-    process (threads, maybe CUDA). It walks the whole checkpoint directory, so staging
-    directories of killed conversions are removed first."""
-    from deepspeed.checkpoint import ds_to_universal
-
-    for stale in tag_dir.glob(f".{UNIVERSAL}.incomplete-*"):
-        shutil.rmtree(stale, ignore_errors=True)
-    staging = tag_dir / f".{UNIVERSAL}.incomplete-{socket.gethostname()}-{os.getpid()}"
-    args = argparse.Namespace(input_folder=str(tag_dir), output_folder=str(staging / UNIVERSAL),
-                              num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False,
-                              strict=True, inject_missing_state=True)
-    _warn(f"converting {tag_dir} to DeepSpeed's universal checkpoint format (once)")
-    try:
-        log = io.StringIO()  # its step-by-step prints and progress bars
-        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-            ds_to_universal.main(args)
-        _readable_by_every_stage(staging / UNIVERSAL)
-        os.replace(staging / UNIVERSAL, target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-
-
-MODEL_STATES_BY_STAGE = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
-"""The model-states file a universal load reads (metadata and client state only): ZeRO 1-2
-engines look for the first name, ZeRO-3 engines for the second."""
-
-
-def _readable_by_every_stage(universal_dir: Path) -> None:
-    """Complete a universal checkpoint so that ZeRO 1-2 and ZeRO-3 both load it, whichever
-    wrote it. DeepSpeed's two loaders read different parts: the model-states file under two
-    names (given both, as a hard link where the filesystem has them); Adam's step count from a
-    `step.pt` per parameter (ZeRO 1-2; a ZeRO-3 conversion writes none) or from the optimizer
-    state dict in `optimizer_state.pt` (ZeRO-3; a ZeRO 1-2 conversion leaves it out); ZeRO 1-2
-    also want each state tensor wrapped in a dict (a ZeRO-3 conversion stores it bare) and a
-    DeepSpeed version in `optimizer_state.pt`."""
-    from deepspeed.checkpoint.constants import PARAM
-
-    present = [universal_dir / name for name in MODEL_STATES_BY_STAGE if (universal_dir / name).exists()]
-    for name in MODEL_STATES_BY_STAGE:
-        if not (universal_dir / name).exists():
-            try:
-                os.link(present[0], universal_dir / name)
-            except OSError:
-                shutil.copy2(present[0], universal_dir / name)
-    zero = universal_dir / "zero"
-    optimizer_file = zero / "optimizer_state.pt"
-    optimizer_state = torch.load(optimizer_file, weights_only=False)
-    param_dirs = [d for d in zero.iterdir() if (d / "exp_avg.pt").exists()]
-    if "optimizer_state_dict" in optimizer_state:  # written from ZeRO-3
-        step = optimizer_state["optimizer_state_dict"]["state"][0]["step"]
-        for param_dir in param_dirs:
-            torch.save(step, param_dir / "step.pt")
-            for key in ("fp32", "exp_avg", "exp_avg_sq"):
-                tensor = torch.load(param_dir / f"{key}.pt", weights_only=False)
-                torch.save({PARAM: tensor}, param_dir / f"{key}.pt")
-        model_states = torch.load(present[0], map_location="cpu", weights_only=False)
-        optimizer_state["ds_version"] = model_states["ds_version"]
-        torch.save(optimizer_state, optimizer_file)
-    else:  # written from ZeRO 1-2
-        step = torch.load(param_dirs[0] / "step.pt", weights_only=False)
-        optimizer_state["optimizer_state_dict"] = {"state": {0: {"step": step}},
-                                                   "param_groups": optimizer_state["param_groups"]}
-        torch.save(optimizer_state, optimizer_file)
-
-
-def _prune(ckpt_dir: Path, keep: int) -> None:
-    """Keep the newest `keep` complete checkpoints; drop older ones and older incomplete ones."""
-    tag_dirs = list_checkpoints(ckpt_dir)
-    complete = [p for p in tag_dirs if is_complete(p)]
-    kept = set(complete[-keep:])
-    for tag_dir in tag_dirs:
-        if tag_dir not in kept and tag_dir.name < complete[-1].name:
-            shutil.rmtree(tag_dir, ignore_errors=True)
-
-
-@dataclass
-class WriteFailure:
-    """The first write of a checkpoint that failed on a rank."""
-
-    path: str
-    reason: str
-    """The operating system's words for it (or torch's, when its writer hides the OS error)."""
-    out_of_space: bool
-
-
-class _RecordedWrites:
-    """DeepSpeed's checkpoint engine for one save, which does not raise: the first failed write
-    is kept in `failure` and later writes are skipped. DeepSpeed's save_checkpoint runs
-    collectives between its writes (the tag check, barriers), so a rank that raised out of it
-    would leave the others waiting for it; the ranks compare their failures once it returns.
-    `bytes` counts what every file takes, written or not: the space the checkpoint needs."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.failure: WriteFailure | None = None
-        self.bytes = 0
-        self.written: dict[str, list] = {}
-        """Path -> [size, xxh3-64 digest] of each file, hashed as it was written."""
-
-    def __getattr__(self, name):  # the rest of the checkpoint engine's interface, unchanged
-        return getattr(self.inner, name)
-
-    def save(self, state_dict, path) -> None:
-        from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
-
-        if isinstance(self.inner, TorchCheckpointEngine):  # torch.save, which takes a file object too
-            self.write(path, lambda: self._hashed(path, path, lambda f: self.inner.save(state_dict, f)), state_dict)
-        else:
-            self.write(path, lambda: self.inner.save(state_dict, path), state_dict)
-
-    def save_atomically(self, state, path: Path) -> None:
-        """torch.save `state` to `path` (which appears only when complete), hashed as written."""
-        def dump(tmp: Path) -> None:
-            self._hashed(path, tmp, lambda f: torch.save(state, f))
-
-        self.write(path, lambda: atomic_write(path, dump), state)
-
-    def _hashed(self, path, target, dump) -> None:
-        """dump(file) writes `target`, hashed on the way and recorded for `path`."""
-        with open(target, "wb") as f:
-            hashing = _HashingFile(f)
-            dump(hashing)
-        self.written[str(path)] = [hashing.size, hashing.digest.hexdigest()]
-
-    def makedirs(self, path, exist_ok=False) -> None:
-        self.write(path, lambda: self.inner.makedirs(path, exist_ok=exist_ok))
-
-    def write(self, path, attempt, state=None) -> WriteFailure | None:
-        """attempt() writes `path` (with torch.save of `state`, if given, for the byte count),
-        unless an earlier write failed; returns the failure, if any."""
-        error = None
-        if self.failure is None:
-            try:
-                attempt()
-                self.bytes += os.path.getsize(path) if state is not None else 0
-                return None
-            # torch.save to a path reports a full disk as a RuntimeError, without the OS error
-            except (OSError, RuntimeError) as e:
-                error = e
-        size = _saved_size(state) if state is not None else 0
-        self.bytes += size
-        if error is not None:
-            self.failure = _write_failure(error, Path(path), size)
-        return self.failure
-
-
-@contextlib.contextmanager
-def _recorded_writes(engine) -> Iterator[_RecordedWrites]:
-    """Route the engine's checkpoint writes through a _RecordedWrites for the block. Rank 0 also
-    copies DeepSpeed's recovery scripts, with shutil rather than the checkpoint engine."""
-    writes = _RecordedWrites(engine.checkpoint_engine)
-    copy_scripts = engine._copy_recovery_script
-    engine.checkpoint_engine = writes
-    engine._copy_recovery_script = lambda save_path: writes.write(save_path, lambda: copy_scripts(save_path))
-    try:
-        yield writes
-    finally:
-        engine.checkpoint_engine = writes.inner
-        del engine._copy_recovery_script  # the class's method again
-
-
-def _write_failure(error: Exception, path: Path, needed: int) -> WriteFailure:
-    if isinstance(error, OSError) and error.strerror:
-        return WriteFailure(str(path), error.strerror, error.errno in (errno.ENOSPC, errno.EDQUOT))
-    # torch's writer lost the OS error: less room left than the file needs is a full disk
-    if shutil.disk_usage(path.parent).free < needed:
-        return WriteFailure(str(path), os.strerror(errno.ENOSPC), True)
-    return WriteFailure(str(path), " ".join(str(error).split()), False)
-
-
-class _HashingFile:
-    """A file being written, hashing (xxh3-64) and counting what goes through it."""
-
-    def __init__(self, f):
-        self.f, self.digest, self.size = f, xxhash.xxh3_64(), 0
-
-    def write(self, data) -> int:
-        self.digest.update(data)
-        self.size += memoryview(data).nbytes
-        return self.f.write(data)
-
-    def flush(self) -> None:
-        self.f.flush()
-
-
-class _ByteCounter:
-    """A file object that only counts what is written to it."""
-
-    def __init__(self):
-        self.count = 0
-
-    def write(self, data) -> int:
-        self.count += len(data)
-        return len(data)
-
-    def flush(self) -> None:
-        pass
-
-
-def _saved_size(state) -> int:
-    """The bytes torch.save writes for `state` (serialized without being stored)."""
-    counter = _ByteCounter()
-    torch.save(state, counter)
-    return counter.count
 
 
 def read_rank_state(tag_dir: Path, rank: int) -> dict | None:
@@ -692,7 +245,7 @@ class CheckpointManager:
                 raise CheckpointError(f"resume={cfg.resume}: the checkpoint is damaged: {detail}")
             raise CheckpointError(f"no intact checkpoint in {tag_dir.parent}, every one is damaged: {detail}")
         for damage in skipped:
-            _warn(f"damaged checkpoint skipped ({', '.join(damage)}); resuming from {candidate}")
+            warn(f"damaged checkpoint skipped ({', '.join(damage)}); resuming from {candidate}")
         check_same_model(cfg, candidate, marker)
         check_same_precision(self.precision, candidate, marker)
         try:  # decided once; a ZeRO stage change that cannot be converted fails here, before any work
@@ -709,7 +262,7 @@ class CheckpointManager:
         if self.rank == 0 and run_dir.exists():
             aside = run_dir.with_name(run_dir.name + time.strftime(REPLACED_SUFFIX))
             os.replace(run_dir, aside)
-            _warn(f"resume=restart: moved the previous run to {aside}; starting fresh")
+            warn(f"resume=restart: moved the previous run to {aside}; starting fresh")
         if dist.is_initialized():
             dist.barrier()
 
@@ -762,7 +315,7 @@ class CheckpointManager:
         if self.rank == 0 and tag_dir.exists():  # left over by a run killed while writing this step
             shutil.rmtree(tag_dir)
         dist.barrier()
-        with _recorded_writes(engine) as writes:
+        with recorded_writes(engine) as writes:
             engine.save_checkpoint(str(self.ckpt_dir), tag=tag_dir.name, client_state=client_state,
                                    save_latest=False)
             rank_state = {"buffers": {name: b.detach().cpu().clone() for name, b in engine.module.named_buffers()},
@@ -788,7 +341,7 @@ class CheckpointManager:
             dist.broadcast_object_list(outcome, src=0)
             if outcome[0] is None:
                 if self.rank == 0:
-                    _prune(self.ckpt_dir, self.cfg.checkpoint.keep)
+                    prune(self.ckpt_dir, self.cfg.checkpoint.keep)
                 return tag_dir
             failure = outcome[0]
         message = [None]
