@@ -297,11 +297,11 @@ def planned_memory(cfg, vocab_size: int) -> dict[str, int]:
     pretrain.plan --gpus 1` has them (`make_plan` itself would look for a dataset through the
     data pipeline, and so mosaicml-streaming, which the GPU machine lacks)."""
     from pretrain.config import model_config
-    from pretrain.plan import memory_parts
+    from pretrain.plan import memory_parts, meta_model
     from pretrain.precision import resolve_precision
 
     precision = resolve_precision(cfg.train.precision, has_gpu=True)
-    parts = memory_parts(cfg, model_config(cfg, vocab_size), precision, 1, cfg.data.micro_batch_size)
+    parts = memory_parts(cfg, meta_model(model_config(cfg, vocab_size)), precision, 1, cfg.data.micro_batch_size)
     return {**parts.as_dict(), "tensors": parts.tensors, "total": parts.total}
 
 

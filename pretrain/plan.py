@@ -210,6 +210,12 @@ class LiveTensorBytes(TorchDispatchMode):
         self.storages.pop(key, None)
 
 
+def meta_model(config: Any) -> nn.Module:
+    """The model of `config` on the meta device: its shapes and dtypes, no memory."""
+    with torch.device("meta"):
+        return build(config)
+
+
 def hand_off_gradients(model: nn.Module) -> None:
     """Drop each parameter's gradient once it is complete, as ZeRO does after copying it into
     its reduce bucket: the gradients part counts what stays of them."""
@@ -256,8 +262,7 @@ def activation_bytes(config: Any, micro_batch_size: int, seq_len: int, dtype: to
     Under autocast (which the meta device lacks) the matmuls' outputs are bf16 and the residual
     stream and norms fp32: measured in fp32, an upper bound. As the forward ends, the family's
     per-rank states take their update's scratch (EBT's replay store keeps the final candidates)."""
-    with torch.device("meta"):
-        model = build(measured_model_config(config)).to(dtype).train()
+    model = meta_model(measured_model_config(config)).to(dtype).train()
     hand_off_gradients(model)
     tracker = LiveTensorBytes()
     with attention_on_meta(gpu_compute_dtype), tracker:
@@ -370,11 +375,11 @@ def dataset_vocabulary(cfg: RunConfig) -> tuple[int, str]:
     return FLAVORS[cfg.model.flavor].vocab_size, f"the flavor's own: no prepared dataset at {cfg.data.path}"
 
 
-def memory_parts(cfg: RunConfig, config: Any, precision: Precision, gpus: int, micro_batch_size: int) -> Parts:
-    """What one GPU holds at the peak of a training step of `cfg` (its model config `config`,
-    its precision resolved for a GPU `precision`) on `gpus` GPUs at `micro_batch_size`, by part."""
-    with torch.device("meta"):
-        model = build(config)
+def memory_parts(cfg: RunConfig, model: nn.Module, precision: Precision, gpus: int, micro_batch_size: int) -> Parts:
+    """What one GPU holds at the peak of a training step of `cfg` (its model on the meta device,
+    `meta_model`; its precision resolved for a GPU, `precision`) on `gpus` GPUs at
+    `micro_batch_size`, by part."""
+    config = model.config
     ds_config = deepspeed_config(cfg, gpus, precision)
     states = model_state_bytes(model.num_params(), gathered_parameters(model), ds_config, gpus)
     activations = activation_bytes(config, micro_batch_size, cfg.data.seq_len, precision.param_dtype,
@@ -390,12 +395,11 @@ def make_plan(config_path: str, cfg: RunConfig, gpus: int, gpu: str, find_larges
     precision = resolve_precision(cfg.train.precision, has_gpu=True)
     vocab, vocab_source = dataset_vocabulary(cfg)
     config = model_config(cfg, vocab)
-    with torch.device("meta"):
-        model = build(config)
+    model = meta_model(config)
     n_params = model.num_params()
     split = batch_split(cfg, gpus)
     seq_len = cfg.data.seq_len
-    parts = memory_parts(cfg, config, precision, gpus, split.micro_batch_size)
+    parts = memory_parts(cfg, model, precision, gpus, split.micro_batch_size)
 
     def activations(b: int) -> int:
         return activation_bytes(config, b, seq_len, precision.param_dtype, precision.compute_dtype)
