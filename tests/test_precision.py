@@ -226,32 +226,22 @@ def resumed_state(config, overrides: list[str]) -> tuple[dict, dict]:
     """(module state, optimizer state) of a trainer of `overrides` once set up: what it resumed
     from its checkpoint, before any step. A world of one in this process, as `runs.command_here`
     runs the trainer."""
-    import os
-
-    import torch.distributed as dist
-    from deepspeed.utils import groups
-
     import trainer_runs as runs
     from pretrain.train import Trainer
 
-    saved_env = {name: os.environ.pop(name) for name in runs.LAUNCH_VARIABLES if name in os.environ}
     cfg = load_config(config, overrides)
     validate(cfg, 1, has_gpu=False)
-    trainer = Trainer(cfg)
-    try:
-        trainer.setup()
-        engine = trainer.engine
-        return ({name: t.detach().clone() for name, t in engine.module.state_dict().items()},
-                {path: t.detach().clone() for path, t in tensors_in(engine.optimizer.state_dict()).items()})
-    finally:
-        if hasattr(trainer, "metrics"):
-            trainer.metrics.close()
-        trainer.close()
-        dist.destroy_process_group()
-        groups._WORLD_GROUP = None
-        for name in runs.LAUNCH_VARIABLES:
-            os.environ.pop(name, None)
-        os.environ.update(saved_env)
+    with runs.world_of_one_here():
+        trainer = Trainer(cfg)
+        try:
+            trainer.setup()
+            engine = trainer.engine
+            return ({name: t.detach().clone() for name, t in engine.module.state_dict().items()},
+                    {path: t.detach().clone() for path, t in tensors_in(engine.optimizer.state_dict()).items()})
+        finally:
+            if hasattr(trainer, "metrics"):
+                trainer.metrics.close()
+            trainer.close()
 
 
 @pytest.mark.parametrize("stage, saved, resumed", [(0, "fp32", "bf16-autocast"), (2, "fp32", "bf16-autocast"),

@@ -250,12 +250,9 @@ def test_a_micro_batch_drops_the_logits_before_its_backward(tmp_path):
     need. When the backward reaches the model's loss, of each of the step's two micro-batches,
     nothing holds them any more. A world of one in this process, as `runs.command_here` runs the
     trainer."""
-    import os
     import weakref
 
     import deepspeed
-    import torch.distributed as dist
-    from deepspeed.utils import groups
 
     from bench.gpu import synthetic_batches
     from pretrain.engine import distributed_env
@@ -266,27 +263,22 @@ def test_a_micro_batch_drops_the_logits_before_its_backward(tmp_path):
         "run_name=no-logits", f"output_root={tmp_path}", "data.path=synthetic-tokens", "data.num_workers=0",
         f"data.micro_batch_size={micro_batch}", f"train.global_batch_size={2 * micro_batch}",
         "train.precision=fp32"])
-    saved_env = {name: os.environ.pop(name) for name in runs.LAUNCH_VARIABLES if name in os.environ}
-    distributed_env()
-    deepspeed.init_distributed(verbose=False)
-    trainer = Trainer(cfg)
     held = []
 
     def watch(module, args, output):
         logits = weakref.ref(output.logits)
         output.loss.register_hook(lambda grad: held.append(logits() is not None))
 
-    try:
-        trainer.build_engine(vocab)
-        trainer.feed(synthetic_batches(micro_batch, cfg.data.seq_len, vocab, pin=False))
-        trainer.engine.module.register_forward_hook(watch)
-        result = trainer.train_step(log_now=True)
-        assert math.isfinite(result.loss)
-        assert held == [False, False]
-    finally:
-        trainer.close()
-        dist.destroy_process_group()
-        groups._WORLD_GROUP = None
-        for name in runs.LAUNCH_VARIABLES:
-            os.environ.pop(name, None)
-        os.environ.update(saved_env)
+    with runs.world_of_one_here():
+        distributed_env()
+        deepspeed.init_distributed(verbose=False)
+        trainer = Trainer(cfg)
+        try:
+            trainer.build_engine(vocab)
+            trainer.feed(synthetic_batches(micro_batch, cfg.data.seq_len, vocab, pin=False))
+            trainer.engine.module.register_forward_hook(watch)
+            result = trainer.train_step(log_now=True)
+            assert math.isfinite(result.loss)
+            assert held == [False, False]
+        finally:
+            trainer.close()

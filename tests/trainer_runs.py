@@ -10,6 +10,7 @@ interpreter and DeepSpeed start-ups per run."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import shutil
@@ -20,7 +21,7 @@ import tempfile
 import time
 from functools import cache
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import yaml
 
@@ -188,33 +189,43 @@ def train_command(overrides: list[str], nproc: int = 2) -> list[str]:
     return torchrun_command(args, nproc) if nproc > 1 else [PYTHON, *args]
 
 
+@contextlib.contextmanager
+def world_of_one_here() -> Iterator[None]:
+    """The block runs in this process as a world of one: a surrounding launch's variables are set
+    aside, and afterwards the process group (if one was made) is destroyed and the variables are
+    as they were, so later child processes do not inherit the ones a trainer filled in."""
+    import torch.distributed as dist
+    from deepspeed.utils import groups
+
+    saved = {name: os.environ.pop(name) for name in LAUNCH_VARIABLES if name in os.environ}
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        # DeepSpeed keeps its clone of the world group past destroy_process_group; the next run
+        # in this process would broadcast over the destroyed one.
+        groups._WORLD_GROUP = None
+        for name in LAUNCH_VARIABLES:
+            os.environ.pop(name, None)
+        os.environ.update(saved)
+
+
 def command_here(module: str, argv: list[str]) -> subprocess.CompletedProcess:
     """`python -m MODULE ARGV` run in this process, returned as its subprocess would be (exit
     code, stdout, stderr): the same command line, without an interpreter and DeepSpeed start-up
-    per run (most of a tiny run's time). A trainer runs as a world of one; the launch variables
-    it fills in are removed afterwards, so later child processes do not inherit them."""
-    import contextlib
+    per run (most of a tiny run's time), as a world of one (`world_of_one_here`)."""
     import importlib
     import io
 
     package_commands = ("pretrain.scaling", "pretrain.models")  # python -m runs their __main__
     main = importlib.import_module(f"{module}.__main__" if module in package_commands else module).main
-    saved = {name: os.environ.pop(name) for name in LAUNCH_VARIABLES if name in os.environ}
     out, err = io.StringIO(), io.StringIO()
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                code = main(argv)
-            except SystemExit as exit_:  # argparse
-                code = exit_.code if isinstance(exit_.code, int) else 1
-    finally:
-        for name in LAUNCH_VARIABLES:
-            os.environ.pop(name, None)
-        os.environ.update(saved)
-        # DeepSpeed keeps its clone of the world group past destroy_process_group; the next run
-        # in this process would broadcast over the destroyed one.
-        from deepspeed.utils import groups
-        groups._WORLD_GROUP = None
+    with world_of_one_here(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as exit_:  # argparse
+            code = exit_.code if isinstance(exit_.code, int) else 1
     return subprocess.CompletedProcess([module, *argv], code, out.getvalue(), err.getvalue())
 
 
