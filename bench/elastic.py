@@ -53,7 +53,8 @@ def main() -> None:
 
     from pretrain import checkpoint
     from pretrain.checkpoint.layout import UNIVERSAL
-    from pretrain.config import load_config, validate
+    from pretrain.config import load_config
+    from pretrain.validation import validate
     from pretrain.engine import distributed_env
     from pretrain.train import Trainer
 

@@ -282,7 +282,8 @@ def bench_config(case: Case, settings: Settings, output_root: str):
     """The case's config as the trainer reads it, changed only where synthetic tokens and a
     benchmark need it: one micro-batch of the configured size per step (the split the trainer
     takes on one GPU), no data files, a temporary output root. Checked like a real run's."""
-    from pretrain.config import load_config, validate
+    from pretrain.config import load_config
+    from pretrain.validation import validate
 
     cfg = load_config(REPO / case.config, [*case.overrides, "run_name=bench-gpu", f"output_root={output_root}",
                                            "data.path=synthetic-tokens", "data.num_workers=0"])

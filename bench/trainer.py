@@ -50,7 +50,8 @@ class TrainerLoop:
     """The trainer's own step (`Trainer.train_step`) on the same in-memory batches."""
 
     def __init__(self, config_file: Path, overrides: list[str], batches):
-        from pretrain.config import load_config, validate
+        from pretrain.config import load_config
+        from pretrain.validation import validate
         from pretrain.train import Trainer
 
         cfg = load_config(config_file, overrides)

@@ -30,8 +30,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from common.cli import ArgumentParser, positive_int, run_command
-from pretrain.config import (ConfigError, RunConfig, batch_split, describe_batch_split, load_config, model_config,
-                             validate)
+from pretrain.config import ConfigError, RunConfig, batch_split, describe_batch_split, load_config, model_config
+from pretrain.validation import validate
 from pretrain.engine import deepspeed_config
 from pretrain.flops import peak_tflops
 from pretrain.meta_attention import attention_on_meta, kernel_scratch_bytes

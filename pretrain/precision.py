@@ -74,7 +74,7 @@ def precisions() -> dict[str, Precision]:
 
 
 def resolve_precision(setting: str, has_gpu: bool) -> Precision:
-    """The precision `train.precision=setting` (one `config.validate` accepts) trains in on a
+    """The precision `train.precision=setting` (one `validation.validate` accepts) trains in on a
     machine with or without a GPU: "auto" is bf16 on a GPU and fp32 on a CPU."""
     if setting == "auto":
         setting = "bf16" if has_gpu else "fp32"

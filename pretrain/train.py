@@ -36,7 +36,8 @@ from common.cli import EXIT_DIR_VARIABLE, ArgumentParser, write_exit_file
 from common.fileio import atomic_write_text, write_failure_reason
 from pretrain.checkpoint import CheckpointError, CheckpointManager, ResumeState, data_identity
 from pretrain.config import (ConfigError, RunConfig, batch_split, describe_attention, describe_batch_split,
-                             load_config, model_config, to_dict, validate)
+                             load_config, model_config, to_dict)
+from pretrain.validation import validate
 from pretrain.engine import (configure_device_math, deepspeed_config, distributed_env, initialize,
                              lost_peer_line, seed_process, time_out_every_group, training_device,
                              use_current_collectives)

@@ -93,7 +93,7 @@ def read_typed(tp: Any, value: Any, origin: Callable[[str], str], error: type[Ex
         return _read_dataclass(tp, value, origin, error, key)
     if typing.get_origin(tp) is typing.Literal:
         # read as the choices' type; the choice itself is checked with the rest of the tree
-        # (`config.validate`, whose message names the choices)
+        # (`validation.validate`, whose message names the choices)
         (kind,) = {type(choice) for choice in typing.get_args(tp)}
         return read_typed(kind, value, origin, error, key)
     if tp is Any:

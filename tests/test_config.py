@@ -12,8 +12,9 @@ import torch
 import yaml
 
 from pretrain import optim
-from pretrain.config import (ConfigError, OptimizerSection, ScheduleSection, from_dict,
-                             load_config, model_config, to_dict, validate)
+from pretrain.config import (ConfigError, OptimizerSection, ScheduleSection, from_dict, load_config, model_config,
+                             to_dict)
+from pretrain.validation import validate
 from pretrain.engine import deepspeed_config
 from pretrain.models import build, resolve
 from pretrain.precision import precisions

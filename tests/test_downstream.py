@@ -386,7 +386,8 @@ def test_missing_evaluation_data_says_how_to_install_it(monkeypatch, tmp_path, c
 
 
 def test_bad_in_training_settings_are_config_errors(tmp_path):
-    from pretrain.config import ConfigError, load_config, validate
+    from pretrain.config import ConfigError, load_config
+    from pretrain.validation import validate
 
     def check(*overrides: str) -> None:
         validate(load_config("configs/tiny/gpt.yaml", list(overrides)), world_size=1, has_gpu=False)

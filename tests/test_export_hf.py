@@ -506,7 +506,8 @@ def test_a_failing_export_leaves_out_untouched(run_exports, tmp_path):
 
 
 def test_init_from_must_name_a_hugging_face_directory(tmp_path):
-    from pretrain.config import ConfigError, load_config, validate
+    from pretrain.config import ConfigError, load_config
+    from pretrain.validation import validate
 
     config = tmp_path / "run.yaml"
     config.write_text(f"data:\n  path: {tmp_path}\ntrain:\n  max_steps: 1\n")

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from bench.gpu import attention_kernels
-from pretrain.config import ConfigError, RunConfig, validate
+from pretrain.config import ConfigError, RunConfig
+from pretrain.validation import validate
 from pretrain.engine import configure_device_math
 from pretrain.flops import mfu, peak_tflops
 from pretrain.models import build, resolve

@@ -12,7 +12,8 @@ import torch
 import yaml
 
 from numerics import assert_rounding_close
-from pretrain.config import ConfigError, load_config, validate
+from pretrain.config import ConfigError, load_config
+from pretrain.validation import validate
 from pretrain.engine import deepspeed_config
 from pretrain.models import build, resolve
 from pretrain.models.common import KVSlot

@@ -13,7 +13,8 @@ import torch
 import torch.nn as nn
 
 import trainer_runs as runs
-from pretrain.config import ConfigError, OptimizerSection, load_config, validate
+from pretrain.config import ConfigError, OptimizerSection, load_config
+from pretrain.validation import validate
 from pretrain.models import build, resolve
 from pretrain.models.ebt import EBT, EBTConfig
 from pretrain.optim import DECAY_SETS, param_groups

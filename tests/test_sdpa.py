@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pretrain.config import ConfigError, RunConfig, describe_attention, from_dict, validate
+from pretrain.config import ConfigError, RunConfig, describe_attention, from_dict
+from pretrain.validation import validate
 from pretrain.models import resolve
 from pretrain.models.registry import FLAVORS
 from pretrain.models.sdpa import sdpa_kernel

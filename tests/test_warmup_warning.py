@@ -5,7 +5,8 @@ descent."""
 from __future__ import annotations
 
 import trainer_runs as runs
-from pretrain.config import load_config, validate
+from pretrain.config import load_config
+from pretrain.validation import validate
 
 
 def warnings(stderr: str) -> list[str]:
