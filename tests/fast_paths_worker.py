@@ -8,7 +8,7 @@ import sys
 import deepspeed
 import torch
 
-from bench.gpu import REPO, synthetic_batches
+from bench.gpu_cases import REPO, synthetic_batches
 from pretrain.config import load_config
 from pretrain.engine import distributed_env
 from pretrain.train import Trainer

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import trainer_runs as runs
-from bench import gpu
+from bench import gpu, gpu_cases
 from bench.precision import BF16_GRADIENT_ERRORS, GROUPS
 from pretrain.config import gpu_attention, load_config
 from pretrain.models import build, model_class, resolve
@@ -116,12 +116,12 @@ def test_the_attention_kernel_is_recorded_next_to_the_prediction(tiny_report):
     assert nrgpt["attention"]["holds"] is None  # a CPU's kernels say nothing about a GPU's
     assert gpu_attention(load_config(runs.REPO / gpu.ATTENTION_PROBE[0])) == ("efficient", 1024, "bf16")  # on a GPU
     # what a GPU's record would say
-    assert gpu.prediction_holds("efficient", {"memory-efficient": 12, "memory-efficient backward": 12}) is True
-    assert gpu.prediction_holds("flash", {"cudnn": 12, "cudnn backward": 12}) is True
-    assert gpu.prediction_holds("efficient", {"math": 12, "math backward": 12}) is False
-    assert gpu.prediction_holds("flash", {"flash": 6, "memory-efficient": 6}) is False
-    assert gpu.prediction_holds(None, {"flash": 12, "flash backward": 12}) is False  # SDPA nobody expected
-    assert gpu.prediction_holds("flash", {}) is False and gpu.prediction_holds(None, {}) is None
+    assert gpu_cases.prediction_holds("efficient", {"memory-efficient": 12, "memory-efficient backward": 12}) is True
+    assert gpu_cases.prediction_holds("flash", {"cudnn": 12, "cudnn backward": 12}) is True
+    assert gpu_cases.prediction_holds("efficient", {"math": 12, "math backward": 12}) is False
+    assert gpu_cases.prediction_holds("flash", {"flash": 6, "memory-efficient": 6}) is False
+    assert gpu_cases.prediction_holds(None, {"flash": 12, "flash backward": 12}) is False  # SDPA nobody expected
+    assert gpu_cases.prediction_holds("flash", {}) is False and gpu_cases.prediction_holds(None, {}) is None
 
 
 def test_the_memory_probe_fills_the_replay_store_and_plans_as_pretrain_plan(tiny_report):
@@ -143,7 +143,7 @@ def test_the_bf16_check_compares_loss_and_every_gradient_with_float32(tiny_repor
     report, markdown = tiny_report
     check = next(c for c in report["cases"] if c["kind"] == "bf16_check")
     assert check["status"] == "ok" and check["pass"] and check["energy_head_grad_norm"] > 0
-    assert check["n_layer"] == resolve("ebt-tiny").n_layer and check["tolerance"] == gpu.bf16_tolerance()
+    assert check["n_layer"] == resolve("ebt-tiny").n_layer and check["tolerance"] == gpu_cases.bf16_tolerance()
     # it really ran in lower precision, and stayed within the stated tolerance
     assert 0 < check["loss_rel_err"] <= check["tolerance"]["loss"]
     assert 0 < check["energy_head_grad_rel_err"] <= check["max_grad_rel_err"] <= check["tolerance"]["grads"]
@@ -161,7 +161,7 @@ def test_the_bf16_gradient_tolerance_is_set_from_bench_precisions_figures():
         documented[family] = dict(zip(GROUPS, map(float, row.strip(" |").split(" | ")[2:])))
     assert documented == BF16_GRADIENT_ERRORS
     worst = max(error for groups in documented.values() for error in groups.values())
-    assert worst < gpu.bf16_tolerance()["grads"] == gpu.BF16_MARGIN * worst <= 3 * worst
+    assert worst < gpu_cases.bf16_tolerance()["grads"] == gpu_cases.BF16_MARGIN * worst <= 3 * worst
 
 
 def test_cases_run_in_order_of_value_in_parts_whose_caps_fit_the_budget(tiny_report):
@@ -257,9 +257,10 @@ def imports_of(module: str) -> list[tuple[str, bool]]:
 
 def third_party_imports(roots: list[str], loaded: set[str]) -> dict[str, str]:
     """Top-level package -> a module importing it, over every repository module that `roots`
-    reach through module-level imports (and the function-level ones of bench.gpu, the
-    benchmark's own code): those modules' module-level imports, and their function-level ones
-    of the packages in `loaded` (what the run imported: the functions it called)."""
+    reach through module-level imports (and the function-level ones of the benchmark's own
+    modules, bench.gpu and bench.gpu_cases): those modules' module-level imports, and their
+    function-level ones of the packages in `loaded` (what the run imported: the functions it
+    called)."""
     todo, seen, packages = list(roots), set(), {}
     while todo:
         module = todo.pop()
@@ -270,7 +271,7 @@ def third_party_imports(roots: list[str], loaded: set[str]) -> dict[str, str]:
         todo += [".".join(parts[:i]) for i in range(1, len(parts))]  # the packages above run first
         for name, in_function in imports_of(module):
             top = name.partition(".")[0]
-            follow = not in_function or module == "bench.gpu"
+            follow = not in_function or module in ("bench.gpu", "bench.gpu_cases")
             if top in REPOSITORY:
                 if follow and module_file(name):
                     todo.append(name)

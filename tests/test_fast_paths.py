@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.gpu import attention_kernels
+from bench.gpu_cases import attention_kernels
 from pretrain.config import ConfigError, RunConfig
 from pretrain.validation import validate
 from pretrain.engine import configure_device_math

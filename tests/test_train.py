@@ -254,7 +254,7 @@ def test_a_micro_batch_drops_the_logits_before_its_backward(tmp_path):
 
     import deepspeed
 
-    from bench.gpu import synthetic_batches
+    from bench.gpu_cases import synthetic_batches
     from pretrain.engine import distributed_env
     from pretrain.train import Trainer
 
