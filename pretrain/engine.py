@@ -232,8 +232,14 @@ def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ds_conf
     leaves = model.zero3_leaf_modules()
     if leaves and zero3:
         set_z3_leaf_modules(model, leaves)
-    # ZeRO-3 keeps every partition in one buffer of one dtype: there they are bf16 too
-    kept = [] if zero3 or not ds_config["bf16"]["enabled"] else float32_parameters(model, optimizer)
+    kept = []
+    if ds_config["bf16"]["enabled"] and model.float32_names():
+        if not zero3:
+            kept = float32_parameters(model, optimizer)
+        elif int(os.environ.get("RANK", "0")) == 0:  # one buffer of one dtype per partition (DeepSpeed asserts it)
+            print(f"warning: zero.stage=3 holds every parameter in bf16, {', '.join(sorted(model.float32_names()))} "
+                  "too, whose updates are finer than bf16's spacing at its value; ZeRO-2 keeps it float32",
+                  file=sys.stderr, flush=True)
     with left_in_float32(kept):
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     if compile_backend != "off":

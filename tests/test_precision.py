@@ -295,3 +295,16 @@ def test_ebt_alpha_stays_float32_in_a_bf16_run_and_takes_updates_finer_than_bf16
     module, _ = resumed_state(runs.base_config_file(), [*run, "run_name=resumed", "train.max_steps=2",
                                                         f"resume={tag_dir}"])
     assert module["descent.alpha"].dtype == torch.float32 and torch.equal(module["descent.alpha"], alpha)
+
+
+def test_zero3_says_that_it_keeps_ebt_alpha_in_bf16(tmp_path):
+    """ZeRO-3 flattens every partition into one buffer of one dtype, so S1's alpha cannot stay
+    float32 beside bf16 weights there: the run says so in one line, and trains."""
+    import trainer_runs as runs
+
+    run = runs.train_here([f"output_root={tmp_path}", "run_name=zero3", "model.flavor=ebt-tiny", "zero.stage=3",
+                           "train.precision=bf16", "train.max_steps=1", "data.num_workers=0", "eval.sample_tokens=0"])
+    assert run.returncode == 0, run.stderr[-3000:]
+    warnings = [line for line in run.stderr.splitlines() if "descent.alpha" in line]
+    assert warnings == ["warning: zero.stage=3 holds every parameter in bf16, descent.alpha too, whose updates are "
+                        "finer than bf16's spacing at its value; ZeRO-2 keeps it float32"]
