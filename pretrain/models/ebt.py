@@ -122,6 +122,12 @@ class EBTConfig(LlamaConfig):
     """Row chunks of the predicted rows' attention (`ebt_attention`): more skip more of the
     causally masked [rows, keys] area, fewer launch fewer kernels. None chooses by device
     (`default_chunks`: 4 on the CPU, 1 on a GPU, whose step is launch-bound)."""
+    energy_gradient: str = "first_order"
+    """How a descent step takes dE/dp: "first_order", the predicted stream's backward written
+    out as ordinary operations (`ebt_gradient`), so training differentiates it once and
+    torch.compile can trace it; "autograd", torch.autograd.grad with create_graph inside the
+    forward (the loss is then a second-order graph), kept as the reference the first is tested
+    against. The first has no dropout in its backward: it needs dropout 0."""
     init: str = "scaled"
     """"scaled": N(0, init_std) weights, residual projections at init_std / sqrt(2 n_layer),
     energy head at init_std / alpha; "authors": the released code's Xavier-normal for every
@@ -136,6 +142,10 @@ class EBTConfig(LlamaConfig):
         check_choice(self, "grad_wrt", ("probs", "logits"))
         check_choice(self, "step_embeddings", ("per_step", "shared"))
         check_choice(self, "init", ("scaled", "authors"))
+        check_choice(self, "energy_gradient", ("first_order", "autograd"))
+        if self.energy_gradient == "first_order" and self.dropout:
+            raise ValueError("EBTConfig.dropout needs energy_gradient='autograd': the first-order gradient "
+                             "has no dropout")
         if not 0 <= self.min_steps <= self.n_steps:
             raise ValueError(f"EBTConfig.min_steps must be in [0, n_steps={self.n_steps}], got {self.min_steps}")
         if self.alpha_randomize < 1:
