@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from pretrain.models.blocks import wide
 from pretrain.models.ebt_attention import default_chunks, two_stream_attention_row_grads, two_stream_attention_weights
 from pretrain.models.llama import Block, RMSNorm, RMSNormGradient, Rope
 
@@ -55,7 +56,6 @@ class Saved(NamedTuple):
     ffn_scale: torch.Tensor
     gate: torch.Tensor
     up: torch.Tensor
-    sigmoid: torch.Tensor
     activation: torch.Tensor
 
 
@@ -86,9 +86,8 @@ def layer_forward(layer: Block, x: torch.Tensor, k_obs: torch.Tensor, v_obs: tor
     mid = x + attention.wo(out.transpose(1, 2).reshape(x.shape))
     h, ffn_scale = rms_norm(layer.ffn_norm, mid)
     gate, up = F.linear(h, torch.cat([ffn.w1.weight, ffn.w3.weight])).chunk(2, -1)
-    sigmoid = gate.sigmoid()
-    activation = gate * sigmoid  # silu, with the sigmoid its derivative reads
-    saved = Saved(x, attention_scale, q, k, v, k_obs, v_obs, out, probs, mid, ffn_scale, gate, up, sigmoid, activation)
+    activation = F.silu(gate)
+    saved = Saved(x, attention_scale, q, k, v, k_obs, v_obs, out, probs, mid, ffn_scale, gate, up, activation)
     return mid + ffn.w2(activation * up), saved
 
 
@@ -97,7 +96,10 @@ def layer_backward(layer: Block, saved: Saved, grad: torch.Tensor, context: Cont
     attention, ffn = layer.attention, layer.feed_forward
     s = saved
     grad_product = grad @ ffn.w2.weight
-    grad_gate = grad_product * s.up * s.sigmoid * (1 + s.gate * (1 - s.sigmoid))
+    # silu's derivative in at least float32, as autograd's kernel takes it for bf16
+    gate = wide(s.gate)
+    sigmoid = gate.sigmoid()
+    grad_gate = (wide(grad_product * s.up) * sigmoid * (1 + gate * (1 - sigmoid))).to(s.gate.dtype)
     grad_h = torch.cat([grad_gate, grad_product * s.activation], -1) @ torch.cat([ffn.w1.weight, ffn.w3.weight])
     grad = grad + rms_norm_backward(layer.ffn_norm, grad_h, s.mid, s.ffn_scale)
     B, H, R, hd = s.q.shape
