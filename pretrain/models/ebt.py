@@ -8,10 +8,10 @@ energy per position. The prediction is found by gradient descent on the candidat
     y_0 ~ N(0, candidate_init_std)                         [B, T, V] candidate logits
     p_t = softmax(y_t [+ Langevin noise])
     E_t = EnergyHead(Backbone([observed tokens ; p_t @ W_ve]))   [B, T]
-    y_{t+1} = p_t - alpha * dE_t/dp_t       (autograd.grad, with create_graph in training)
+    y_{t+1} = p_t - alpha * dE_t/dp_t       (dE/dp as a differentiable value: `ebt_gradient`)
 
 and training backpropagates the next-token cross entropy of log_softmax(y_{t+1}) through the
-descent (second order): Sec. 3.2, Eq. (1) and Algorithm 1 (the paper writes the gradient w.r.t.
+descent (through the energy gradient, a second derivative of E): Sec. 3.2, Eq. (1) and Algorithm 1 (the paper writes the gradient w.r.t.
 the logits, see `grad_wrt`). The landscape regularisers (replay buffer, Langevin noise,
 randomised step size and step count) are Sec. 3.3, Eq. (2); thinking longer and best-of-N
 self-verification (`think`) are Sec. 3.3 and Algorithm 2.

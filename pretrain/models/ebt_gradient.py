@@ -26,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 from pretrain.models.blocks import wide
 from pretrain.models.ebt_attention import default_chunks, two_stream_attention_row_grads, two_stream_attention_weights
-from pretrain.models.llama import Block, RMSNorm, RMSNormGradient, Rope
+from pretrain.models.llama import Block, RMSNorm, RMSNormGradient, Rope, SecondOrderRMSNorm
 
 
 class Context(NamedTuple):
@@ -45,6 +45,9 @@ class Saved(NamedTuple):
 
     x: torch.Tensor
     attention_scale: torch.Tensor
+    qkv_weight: torch.Tensor
+    """The joined projections' weights, once per layer and evaluation (each copy is kept for the
+    training backward)."""
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
@@ -54,6 +57,7 @@ class Saved(NamedTuple):
     probs: list[torch.Tensor]
     mid: torch.Tensor
     ffn_scale: torch.Tensor
+    ffn_weight: torch.Tensor
     gate: torch.Tensor
     up: torch.Tensor
     activation: torch.Tensor
@@ -61,8 +65,7 @@ class Saved(NamedTuple):
 
 def rms_norm(norm: RMSNorm, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(norm(x), 1 / rms of each row [N, 1]); the scale is what `RMSNormGradient` reads."""
-    y, scale = torch._fused_rms_norm(x, (x.size(-1),), norm.weight, norm.eps)
-    return y, scale.view(*x.shape[:-1], 1)
+    return SecondOrderRMSNorm.apply(x, norm.weight, norm.eps)
 
 
 def rms_norm_backward(norm: RMSNorm, grad_y: torch.Tensor, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -81,13 +84,16 @@ def layer_forward(layer: Block, x: torch.Tensor, k_obs: torch.Tensor, v_obs: tor
     """`Block.forward` of the predicted rows x [B R, D] (no dropout: `EBTConfig` refuses it here)."""
     attention, ffn = layer.attention, layer.feed_forward
     h, attention_scale = rms_norm(layer.attention_norm, x)
-    q, k, v = attention._rotated(h, context.rope, attention.wq, attention.wk, attention.wv)
+    qkv_weight = torch.cat([attention.wq.weight, attention.wk.weight, attention.wv.weight])
+    q, k, v = attention.joined_heads(h, context.rope, qkv_weight)
     out, probs = two_stream_attention_weights(q, k, v, k_obs, v_obs, context.offset, context.chunks)
     mid = x + attention.wo(out.transpose(1, 2).reshape(x.shape))
     h, ffn_scale = rms_norm(layer.ffn_norm, mid)
-    gate, up = F.linear(h, torch.cat([ffn.w1.weight, ffn.w3.weight])).chunk(2, -1)
+    ffn_weight = torch.cat([ffn.w1.weight, ffn.w3.weight])
+    gate, up = F.linear(h, ffn_weight).chunk(2, -1)
     activation = F.silu(gate)
-    saved = Saved(x, attention_scale, q, k, v, k_obs, v_obs, out, probs, mid, ffn_scale, gate, up, activation)
+    saved = Saved(x, attention_scale, qkv_weight, q, k, v, k_obs, v_obs, out, probs, mid, ffn_scale, ffn_weight,
+                  gate, up, activation)
     return mid + ffn.w2(activation * up), saved
 
 
@@ -100,7 +106,7 @@ def layer_backward(layer: Block, saved: Saved, grad: torch.Tensor, context: Cont
     gate = wide(s.gate)
     sigmoid = gate.sigmoid()
     grad_gate = (wide(grad_product * s.up) * sigmoid * (1 + gate * (1 - sigmoid))).to(s.gate.dtype)
-    grad_h = torch.cat([grad_gate, grad_product * s.activation], -1) @ torch.cat([ffn.w1.weight, ffn.w3.weight])
+    grad_h = torch.cat([grad_gate, grad_product * s.activation], -1) @ s.ffn_weight
     grad = grad + rms_norm_backward(layer.ffn_norm, grad_h, s.mid, s.ffn_scale)
     B, H, R, hd = s.q.shape
     grad_out = (grad @ attention.wo.weight).view(B, R, H, hd).transpose(1, 2)
@@ -108,7 +114,7 @@ def layer_backward(layer: Block, saved: Saved, grad: torch.Tensor, context: Cont
                                                             s.probs, context.offset, context.chunks)
     grad_heads = torch.cat([rotary_transposed(torch.stack([grad_q, grad_k]), context.rope), grad_v[None]])
     grad_projected = grad_heads.permute(1, 3, 0, 2, 4).reshape(B * R, 3 * H * hd)
-    grad_h = grad_projected @ torch.cat([attention.wq.weight, attention.wk.weight, attention.wv.weight])
+    grad_h = grad_projected @ s.qkv_weight
     return grad + rms_norm_backward(layer.attention_norm, grad_h, s.x, s.attention_scale)
 
 
