@@ -8,14 +8,17 @@ Transformer++ and measures checkpointing memory):
 3. Memory kept per descent step with step checkpointing, in units of one candidate tensor
    [B, T, V] (the step's input, which the recurrence must keep: the floor is 1).
 4. Launches (`--launches`, this section alone): ATen ops per S1 training step (ebt-s1-small's
-   options at the given shape) with the CPU's 4 attention row chunks and the GPU's choice, and
-   the CPU time of each. A GPU step of these models is bound by its launches, not its FLOPs.
+   options at the given shape) with the CPU's 4 attention row chunks and the GPU's choice, the
+   energy gradient by autograd's double backward and first order (`EBTConfig.energy_gradient`),
+   and the CPU time and peak memory of each. A GPU step of these models is bound by its
+   launches, not its FLOPs.
 
     python -m bench.ebt [--width 256 --heads 4 --seq-len 256 --batch 4 --steps 4 --rounds 10] [--launches]
 """
 from __future__ import annotations
 
 import collections
+import functools
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -113,17 +116,21 @@ def checkpointed_growth(args, idx) -> None:
 def launches(args, idx) -> None:
     s1 = Contender("ebt S1", "ebt-s1-small")
     gpu_chunks = default_chunks(torch.device("cuda"))
-    models = {f"{chunks} row chunk(s) ({where})": build_model(s1, args, attention_chunks=chunks)
+    models = {f"{gradient}, {chunks} row chunk(s) ({where})":
+              build_model(s1, args, attention_chunks=chunks, energy_gradient=gradient)
+              for gradient in ("autograd", "first_order")
               for chunks, where in ((CPU_CHUNKS, "CPU's choice"), (gpu_chunks, "GPU's choice"))}
     seconds = seconds_per_step(models, idx, args.rounds)  # warms up first: rotary tables are built once
-    counts = {}
+    counts, peaks = {}, {}
     for label, model in models.items():
         with AtenOps() as counts[label]:
             train_step(model, idx)
-    rows = [(label, counts[label].total, counts[label].kernels, f"{seconds[label] * 1e3:.1f}")
-            for label in models]
-    print("4. Launches: one S1 training step (ebt-s1-small's options), two-stream attention in row chunks")
-    print_table(("attention", "ATen ops", "not views", "CPU ms"), rows)
+        peaks[label] = peak_allocated_bytes(functools.partial(train_step, model, idx))
+    rows = [(label, counts[label].total, counts[label].kernels, f"{seconds[label] * 1e3:.1f}",
+             f"{peaks[label] / 2**20:.1f}") for label in models]
+    print("4. Launches: one S1 training step (ebt-s1-small's options), energy gradient by autograd's double "
+          "backward or first order, two-stream attention in row chunks")
+    print_table(("energy gradient, attention", "ATen ops", "not views", "CPU ms", "peak MiB"), rows)
 
 
 def main() -> None:

@@ -649,6 +649,82 @@ def test_activation_checkpointing_changes_nothing_but_memory(overrides, mode):
     assert_same_grads(grads, grads_ckpt)
 
 
+# --- the first-order energy gradient against autograd's double backward --------------------
+
+GRADIENT_CASES = {
+    "S1": {},
+    "S1, step conditioning": STEP_CONDITIONED,
+    "S2, shared draws and replay": {**S2_OPTIONS, "time_embed": True, "step_embeddings": "shared",
+                                    "replay_buffer_size": 4},
+    "logits, expected embedding": dict(grad_wrt="logits", expected_embedding=True, n_steps=3),
+}
+
+
+def assert_same(got: torch.Tensor, expected: torch.Tensor, what: str):
+    assert torch.allclose(got, expected, atol=1e-10, rtol=0), what
+
+
+@pytest.mark.parametrize("case", GRADIENT_CASES)
+@pytest.mark.parametrize("checkpointing", ["off", "block", "step"])
+def test_the_first_order_energy_gradient_trains_as_autograds_double_backward(case, checkpointing):
+    """Two training forwards and backwards (odd T; S2 draws its step count from the shared draws
+    and replays rows in the second): the loss, the final candidates, every step's energies and
+    losses (the descent's trajectory) and every parameter's gradient equal those of the
+    autograd.grad(create_graph) path to 1e-10 in float64."""
+    runs = {}
+    for path in ("autograd", "first_order"):
+        model = tiny(energy_gradient=path, activation_checkpointing=checkpointing, **GRADIENT_CASES[case]).train()
+        idx, targets = data(model, seq_len=5)
+        runs[path] = []
+        for call in range(2):
+            model.zero_grad()
+            torch.manual_seed(11 + call)
+            out = model(idx, targets, return_energies=True)
+            out.loss.backward()
+            runs[path].append((out, param_grads(model)))
+    for (reference, reference_grads), (out, grads) in zip(runs["autograd"], runs["first_order"]):
+        assert_same(out.loss, reference.loss, "loss")
+        assert_same(out.logits, reference.logits, "final candidates")
+        for name in ("_token_energy", "loss_per_step"):
+            assert out.diagnostics[name].shape == reference.diagnostics[name].shape, name
+            assert_same(out.diagnostics[name], reference.diagnostics[name], name)
+        assert_same_grads(grads, reference_grads)
+
+
+@pytest.mark.parametrize("case", ["S1", "S1, step conditioning"])
+def test_the_first_order_energy_and_gradient_equal_autograds_for_the_last_rows(case):
+    """The energies and dE/d(embedded) of the last 3 rows of 7 (generation's case: the rows sit
+    after observed tokens they do not predict), with observed keys and values that require grad:
+    their gradients through the energy gradient agree too."""
+    results = []
+    for path in ("autograd", "first_order"):
+        model = tiny(energy_gradient=path, **GRADIENT_CASES[case])
+        idx, _ = data(model, seq_len=7)
+        d = model.descent
+        embedded = (candidate(model, idx, rows=3).softmax(-1) @ d.candidate_table()).detach().requires_grad_()
+        weights = candidate(model, idx, seed=5, rows=3)[..., :model.config.n_embd]
+        observed = d.observe(idx, 1)
+        energy, grad = d.energy_gradient(embedded, observed, 4, second_order=True)
+        wrt = [embedded, *(t for kv in observed for t in kv)]
+        results.append([energy, grad, *torch.autograd.grad((grad * weights).sum(), wrt)])
+    for got, expected in zip(*results):
+        assert_same(got, expected, "energy, gradient or second derivative")
+
+
+@pytest.mark.parametrize("case", GRADIENT_CASES)
+def test_thinking_and_decoding_take_the_first_order_gradient_as_autograds(case):
+    idx, targets = data(tiny(), seq_len=5)
+    results = []
+    for path in ("autograd", "first_order"):
+        model = tiny(energy_gradient=path, **GRADIENT_CASES[case]).eval()
+        think = model.think(idx, steps=4, best_of=2, targets=targets)
+        stopped = model.think(idx, steps=6, targets=targets, stop_tolerance=1e-2)
+        results.append([think.logits, think.energies, think.loss_per_step, stopped.logits,
+                        stopped.steps_taken.double(), model.next_token_logits(idx, best_of=2)])
+    for got, expected in zip(*results):
+        assert_same(got, expected, "thinking")
+
+
 # --- inference -----------------------------------------------------------------------------
 
 def test_eval_works_under_no_grad_and_builds_no_parameter_graph():
@@ -761,7 +837,8 @@ def test_flops_per_token_counts_what_each_option_computes():
 
 @pytest.mark.parametrize("field, value", [("grad_wrt", "energy"), ("min_steps", 3), ("alpha_randomize", 0.5),
                                           ("reuse_observed_stream", True), ("activation_checkpointing", "layer"),
-                                          ("attention_chunks", 0)])
+                                          ("attention_chunks", 0), ("energy_gradient", "second_order"),
+                                          ("dropout", 0.1)])
 def test_invalid_options_are_rejected_naming_the_field(field, value):
     fields = dict(n_steps=2, time_embed=True, reuse_observed_stream=False)
     fields[field] = value

@@ -8,10 +8,10 @@ energy per position. The prediction is found by gradient descent on the candidat
     y_0 ~ N(0, candidate_init_std)                         [B, T, V] candidate logits
     p_t = softmax(y_t [+ Langevin noise])
     E_t = EnergyHead(Backbone([observed tokens ; p_t @ W_ve]))   [B, T]
-    y_{t+1} = p_t - alpha * dE_t/dp_t       (autograd.grad, with create_graph in training)
+    y_{t+1} = p_t - alpha * dE_t/dp_t       (dE/dp as a differentiable value: `ebt_gradient`)
 
 and training backpropagates the next-token cross entropy of log_softmax(y_{t+1}) through the
-descent (second order): Sec. 3.2, Eq. (1) and Algorithm 1 (the paper writes the gradient w.r.t.
+descent (through the energy gradient, a second derivative of E): Sec. 3.2, Eq. (1) and Algorithm 1 (the paper writes the gradient w.r.t.
 the logits, see `grad_wrt`). The landscape regularisers (replay buffer, Langevin noise,
 randomised step size and step count) are Sec. 3.3, Eq. (2); thinking longer and best-of-N
 self-verification (`think`) are Sec. 3.3 and Algorithm 2.
@@ -122,6 +122,12 @@ class EBTConfig(LlamaConfig):
     """Row chunks of the predicted rows' attention (`ebt_attention`): more skip more of the
     causally masked [rows, keys] area, fewer launch fewer kernels. None chooses by device
     (`default_chunks`: 4 on the CPU, 1 on a GPU, whose step is launch-bound)."""
+    energy_gradient: str = "first_order"
+    """How a descent step takes dE/dp: "first_order", the predicted stream's backward written
+    out as ordinary operations (`ebt_gradient`), so training differentiates it once and
+    torch.compile can trace it; "autograd", torch.autograd.grad with create_graph inside the
+    forward (the loss is then a second-order graph), kept as the reference the first is tested
+    against. The first has no dropout in its backward: it needs dropout 0."""
     init: str = "scaled"
     """"scaled": N(0, init_std) weights, residual projections at init_std / sqrt(2 n_layer),
     energy head at init_std / alpha; "authors": the released code's Xavier-normal for every
@@ -136,6 +142,10 @@ class EBTConfig(LlamaConfig):
         check_choice(self, "grad_wrt", ("probs", "logits"))
         check_choice(self, "step_embeddings", ("per_step", "shared"))
         check_choice(self, "init", ("scaled", "authors"))
+        check_choice(self, "energy_gradient", ("first_order", "autograd"))
+        if self.energy_gradient == "first_order" and self.dropout:
+            raise ValueError("EBTConfig.dropout needs energy_gradient='autograd': the first-order gradient "
+                             "has no dropout")
         if not 0 <= self.min_steps <= self.n_steps:
             raise ValueError(f"EBTConfig.min_steps must be in [0, n_steps={self.n_steps}], got {self.min_steps}")
         if self.alpha_randomize < 1:

@@ -257,8 +257,35 @@ def two_stream_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_ob
     """Attention of the predicted rows [B, H, R, hd]: row r attends to observed keys
     0..r + offset and to its own key, in one softmax (scale 1/sqrt(hd)), computed in `chunks`
     row chunks (None: `default_chunks` of the device). Differentiable twice on every device."""
+    return two_stream_attention_weights(q, k, v, k_obs, v_obs, offset, chunks)[0]
+
+
+def in_compute_dtype(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The attention's inputs in autocast's dtype under autocast (the scores are still taken in
+    at least float32, see `wide`), as they are otherwise."""
+    compute = autocast_dtype(tensors[0].device)
+    return tensors if compute is None else tuple(t.to(compute) for t in tensors)
+
+
+def two_stream_attention_weights(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_obs: torch.Tensor,
+                                 v_obs: torch.Tensor, offset: int,
+                                 chunks: int | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(`two_stream_attention`'s output, its weights [B * H, rows, visible keys + 1] per row
+    chunk), both differentiable: `two_stream_attention_row_grads` reads them."""
     chunks = chunks or default_chunks(q.device)
-    compute = autocast_dtype(q.device)
-    if compute is not None:  # under autocast: rotated queries and keys in float32, values in bf16
-        q, k, v, k_obs, v_obs = (t.to(compute) for t in (q, k, v, k_obs, v_obs))
-    return TwoStreamAttention.apply(q, k, v, k_obs, v_obs, offset, chunks)[0]
+    out, *probs = TwoStreamAttention.apply(*in_compute_dtype(q, k, v, k_obs, v_obs), offset, chunks)
+    return out, probs
+
+
+def two_stream_attention_row_grads(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                   k_obs: torch.Tensor, v_obs: torch.Tensor, out: torch.Tensor,
+                                   probs: list[torch.Tensor], offset: int,
+                                   chunks: int | None = None) -> tuple[torch.Tensor, ...]:
+    """(dq, dk, dv): the gradient of <grad_out, out> w.r.t. the predicted rows' queries, keys and
+    values, the observed keys and values held constant, from the `two_stream_attention_weights`
+    of these inputs. Differentiable (once) w.r.t. everything, the observed keys and values
+    included: its backward is `TwoStreamAttentionGrad`'s second derivative."""
+    chunks = chunks or default_chunks(q.device)
+    spans = causal_chunks(q.size(2), k_obs.size(2), offset, chunks)
+    inputs = in_compute_dtype(grad_out, q, k, v, k_obs, v_obs)
+    return TwoStreamAttentionGrad.apply(spans, [False, False], *inputs, out, *(None,) * len(probs), *probs)[:3]

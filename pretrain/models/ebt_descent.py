@@ -13,6 +13,7 @@ from pretrain.models.blocks import maybe_checkpoint, no_autocast, token_losses
 from pretrain.models.common import DecodeCache
 from pretrain.models.descent_plumbing import CheckpointedStep, StepSettings, energy_settled
 from pretrain.models.ebt_attention import two_stream_attention
+from pretrain.models.ebt_gradient import energy_and_gradient
 from pretrain.models.llama import Block, RMSNorm, RotaryCache, causal_attention
 
 MIN_ALPHA = 1e-4
@@ -147,6 +148,18 @@ class EnergyDescent(nn.Module):
             x = maybe_checkpoint(checkpointed, layer, x, rope, attend, second_order)[0]
         return self.energy_head(self.norm(x, second_order)).view(embedded.shape[:2])
 
+    def energy_gradient(self, embedded: torch.Tensor, observed: list, first_row: int,
+                        second_order: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(E [B, R], dE/d embedded [B, R, D]), the gradient with a graph to differentiate when
+        `second_order`, as `EBTConfig.energy_gradient` says."""
+        if self.config.energy_gradient == "first_order":
+            with torch.set_grad_enabled(second_order):
+                return energy_and_gradient(self, embedded, observed, first_row)
+        if not embedded.requires_grad:  # a frozen table
+            embedded.requires_grad_()
+        energy = self.energy(embedded, observed, first_row, second_order)
+        return energy, torch.autograd.grad(energy.sum(), embedded, create_graph=second_order)[0]
+
     def step(self, y: torch.Tensor, observed: list, targets: torch.Tensor | None, alpha: torch.Tensor,
              settings: StepSettings):
         """One descent step from y_t [B, R, V]: (y_{t+1}, E_t [B, R] detached, per-token loss of
@@ -158,13 +171,10 @@ class EnergyDescent(nn.Module):
         probs = y.softmax(dim=-1)
         table = self.candidate_table()
         embedded = probs.to(table.dtype) @ table
-        if not embedded.requires_grad:  # a frozen table
-            embedded.requires_grad_()
         second_order = settings.second_order
-        energy = self.energy(embedded, observed, settings.first_row, second_order)
-        # dE/dp through the embedding by hand: autograd.grad w.r.t. p would need p to require
-        # grad, and the training backward would then also differentiate the loss w.r.t. p
-        grad_embedded, = torch.autograd.grad(energy.sum(), embedded, create_graph=second_order)
+        # dE/dp through the embedding by hand (below): a gradient w.r.t. p would need p to
+        # require grad, and the training backward would then also differentiate the loss w.r.t. p
+        energy, grad_embedded = self.energy_gradient(embedded, observed, settings.first_row, second_order)
         # in the candidate's dtype (at least float32), also when the model runs in bf16: the
         # candidate moves by alpha (500 in S1) times these, and it is their differences across
         # the vocabulary that matter, which bf16's rounding of each (2^-9 of its size) swamps

@@ -69,13 +69,15 @@ class RMSNorm(nn.Module):
         """`second_order`: the graph will be differentiated twice (EBT's training descent), which
         the hand-written derivatives of `SecondOrderRMSNorm` do in fewer ops than autograd's."""
         if second_order:
-            return SecondOrderRMSNorm.apply(x, self.weight, self.eps)
+            return SecondOrderRMSNorm.apply(x, self.weight, self.eps)[0]
         # torch's kernel accumulates in float32 for bf16 inputs (one kernel per pass on a GPU)
         return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)
 
 
 class SecondOrderRMSNorm(torch.autograd.Function):
-    """y = x r w with r = 1 / sqrt(mean(x^2) + eps) per row. Its backward is
+    """(y, r): y = x r w with r = 1 / sqrt(mean(x^2) + eps) per row [..., 1], which is not
+    differentiable (EBT's first-order energy gradient hands it to `RMSNormGradient`, whose
+    derivative w.r.t. x includes r's dependence on x). Its backward is
     `RMSNormGradient`, whose own backward is the second derivative: about 50 ATen ops per call
     through the three passes of a training descent, against about 70 for autograd's graph of
     the composite (on a GPU too: torch's fused backward kernel is only taken without
@@ -83,14 +85,19 @@ class SecondOrderRMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps):
+        ctx.set_materialize_grads(False)  # r's gradient is never formed: no zeros for it
         y, r = torch._fused_rms_norm(x, (x.size(-1),), weight, eps)  # r in float32 for bf16 x
         # r as [..., 1] whatever shape the device's kernel gives it: a flat [rows] would
         # broadcast against the width instead of the rows
-        ctx.save_for_backward(x, weight, r.view(*x.shape[:-1], 1))
-        return y
+        r = r.view(*x.shape[:-1], 1)
+        ctx.mark_non_differentiable(r)
+        ctx.save_for_backward(x, weight, r)
+        return y, r
 
     @staticmethod
-    def backward(ctx, grad_y):
+    def backward(ctx, grad_y, _):
+        if grad_y is None:
+            return None, None, None
         x, weight, r = ctx.saved_tensors
         return (*RMSNormGradient.apply(grad_y, x, weight, r), None)
 
@@ -207,8 +214,14 @@ class Attention(nn.Module):
         if not self.joined_projections:
             *rotated, values = (linear(h).view(-1, T, H, hd).transpose(1, 2).contiguous() for linear in linears)
             return (*(apply_rotary(t, rope) for t in rotated), values)
-        projected = F.linear(h, torch.cat([linear.weight for linear in linears]))
-        heads = projected.view(-1, T, len(linears), H, hd).permute(2, 0, 3, 1, 4).contiguous()
+        return self.joined_heads(h, rope, torch.cat([linear.weight for linear in linears]))
+
+    def joined_heads(self, h: torch.Tensor, rope: Rope, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """`_rotated` with joined projections, given their joined weight [n D, D] (EBT's
+        first-order energy gradient reuses it in its backward)."""
+        T, D = rope[0].size(0), h.size(-1)
+        H, hd = self.n_head, D // self.n_head
+        heads = F.linear(h, weight).view(-1, T, weight.size(0) // D, H, hd).permute(2, 0, 3, 1, 4).contiguous()
         return (*apply_rotary(heads[:-1], rope), heads[-1].clone())
 
     def keys_values(self, h: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
