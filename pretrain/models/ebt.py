@@ -122,12 +122,14 @@ class EBTConfig(LlamaConfig):
     """Row chunks of the predicted rows' attention (`ebt_attention`): more skip more of the
     causally masked [rows, keys] area, fewer launch fewer kernels. None chooses by device
     (`default_chunks`: 4 on the CPU, 1 on a GPU, whose step is launch-bound)."""
-    energy_gradient: str = "first_order"
-    """How a descent step takes dE/dp: "first_order", the predicted stream's backward written
-    out as ordinary operations (`ebt_gradient`), so training differentiates it once and
-    torch.compile can trace it; "autograd", torch.autograd.grad with create_graph inside the
-    forward (the loss is then a second-order graph), kept as the reference the first is tested
-    against. The first has no dropout in its backward: it needs dropout 0."""
+    energy_gradient: str = "autograd"
+    """How a descent step takes dE/dp: "autograd", torch.autograd.grad with create_graph inside
+    the forward (the loss is then a second-order graph); "first_order", the predicted stream's
+    backward written out as ordinary operations (`ebt_gradient`), the same values (to 1e-10 in
+    float64; to rounding in float32 and bf16) differentiated once, which torch.compile could
+    trace, and far less memory with block checkpointing. The default is the model every earlier
+    checkpoint was trained with, so those resume to the bit. The first has no dropout in its
+    backward: it needs dropout 0."""
     init: str = "scaled"
     """"scaled": N(0, init_std) weights, residual projections at init_std / sqrt(2 n_layer),
     energy head at init_std / alpha; "authors": the released code's Xavier-normal for every
