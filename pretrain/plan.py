@@ -31,12 +31,12 @@ from torch.utils._pytree import tree_leaves
 
 from common.cli import ArgumentParser, positive_int, run_command
 from pretrain.config import ConfigError, RunConfig, batch_split, describe_batch_split, load_config, model_config
-from pretrain.validation import validate
 from pretrain.engine import deepspeed_config
 from pretrain.flops import peak_tflops
 from pretrain.meta_attention import attention_on_meta, kernel_scratch_bytes
 from pretrain.models import FLAVORS, build, family_name, family_spec
 from pretrain.precision import Precision, resolve_precision
+from pretrain.validation import validate
 
 GIB = 2**30
 

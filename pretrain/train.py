@@ -37,7 +37,6 @@ from common.fileio import atomic_write_text, write_failure_reason
 from pretrain.checkpoint import CheckpointError, CheckpointManager, ResumeState, data_identity
 from pretrain.config import (ConfigError, RunConfig, batch_split, describe_attention, describe_batch_split,
                              load_config, model_config, to_dict)
-from pretrain.validation import validate
 from pretrain.engine import (configure_device_math, deepspeed_config, distributed_env, initialize,
                              lost_peer_line, seed_process, time_out_every_group, training_device,
                              use_current_collectives)
@@ -52,6 +51,7 @@ from pretrain.preflight import check_dataset, evaluates, preflight
 from pretrain.stopping import (EXIT_PREEMPTED, Aborted, StopSignals, StoppedInSetup, ignore_stop_signals,
                                stopped_line)
 from pretrain.summary import SUMMARY_FILE, RunRecord, TrainState
+from pretrain.validation import validate
 
 
 class NonFiniteError(RuntimeError):

@@ -14,10 +14,10 @@ import yaml
 from pretrain import optim
 from pretrain.config import (ConfigError, OptimizerSection, ScheduleSection, from_dict, load_config, model_config,
                              to_dict)
-from pretrain.validation import validate
 from pretrain.engine import deepspeed_config
 from pretrain.models import build, resolve
 from pretrain.precision import precisions
+from pretrain.validation import validate
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_CONFIGS = sorted((REPO / "configs" / "tiny").glob("*.yaml"))

@@ -15,11 +15,11 @@ import torch
 
 from bench.gpu_cases import attention_kernels
 from pretrain.config import ConfigError, RunConfig
-from pretrain.validation import validate
 from pretrain.engine import configure_device_math
 from pretrain.flops import mfu, peak_tflops
 from pretrain.models import build, resolve
 from pretrain.precision import precisions
+from pretrain.validation import validate
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -13,7 +13,6 @@ import yaml
 
 from numerics import assert_rounding_close
 from pretrain.config import ConfigError, load_config
-from pretrain.validation import validate
 from pretrain.engine import deepspeed_config
 from pretrain.models import build, resolve
 from pretrain.models.common import KVSlot
@@ -22,6 +21,7 @@ from pretrain.models.ebt_attention import TwoStreamAttention
 from pretrain.models.nrgpt import EnergyAttention, GeluAndSlope, NRGPTConfig
 from pretrain.plan import make_plan, model_state_bytes
 from pretrain.precision import precisions, resolve_precision
+from pretrain.validation import validate
 
 BF16_EPS = torch.finfo(torch.bfloat16).eps
 
