@@ -21,7 +21,8 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/lint-imports --no-cache
-	$(PY) -m pytest -q tests
+	@# two workers, a test file each at a time (tests/conftest.py says which files go first)
+	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 bench-data: $(STAMP)
 	$(PY) -m bench.data

@@ -390,6 +390,22 @@ def tiny_settings(deadline: float) -> gpu.Settings:
     return gpu.Settings(device="cpu", vocab_size=512, warmup=2, steps=2, peak_tflops=None, deadline=deadline)
 
 
+def bench_worker_of_this_process() -> int:
+    """The benchmark worker that `gpu.run_worker` started from this process, found by its command
+    line: this process may have other children, started by the tests it ran before (such as
+    multiprocessing's resource tracker, which a dataset's shared memory starts)."""
+    def command_line(pid: int) -> bytes:
+        try:
+            return Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:  # a process that has just ended
+            return b""
+
+    workers = [pid for pid in runs.process_tree(os.getpid())[1:]
+               if command_line(pid).endswith(b"-m\0bench.gpu\0--worker\0")]
+    assert len(workers) == 1, workers
+    return workers[0]
+
+
 def test_a_hung_worker_is_killed_past_the_cap_and_its_case_reported(tmp_path):
     """A worker that no longer answers (stopped here; on a GPU: stuck in a CUDA call or a
     compile, where the alarm's handler never runs) is killed once the case's cap and the grace
@@ -400,7 +416,7 @@ def test_a_hung_worker_is_killed_past_the_cap_and_its_case_reported(tmp_path):
         records = gpu.run_worker(cases, tiny_settings(time.monotonic() + 120), time.monotonic() + 120, log,
                                  hang_grace_s=1.0)
         start = next(r for r in records if "start" in r)
-        worker = runs.process_tree(os.getpid())[1]
+        worker = bench_worker_of_this_process()
         os.kill(worker, signal.SIGSTOP)
         rest = list(records)
     assert start == {"start": first.name, "cap_s": 2.0}
@@ -442,7 +458,7 @@ def test_a_worker_stopped_by_the_scheduler_reports_its_cases_as_stopped(tmp_path
         records = gpu.run_worker(cases, tiny_settings(time.monotonic() + 120), time.monotonic() + 120, log)
         assert next(r for r in records if "start" in r) == {"start": cases[0].name, "cap_s": cases[0].cap_s}
         time.sleep(0.5)  # into building the engine
-        os.kill(runs.process_tree(os.getpid())[1], signal.SIGTERM)  # the worker, this process's only child
+        os.kill(bench_worker_of_this_process(), signal.SIGTERM)
         rest = list(records)
     assert [(r["case"], r["status"], r["error"]) for r in rest] == [
         (cases[0].name, "stopped", "stopped by SIGTERM"), (cases[1].name, "stopped", "worker stopped by SIGTERM")]
