@@ -117,6 +117,24 @@ def test_thinking_until_settled_scores_a_request_as_alone_and_counts_its_steps(f
     assert zero.step_counts()[""].mean == 4
 
 
+@pytest.mark.parametrize("flavor", ["ebt-tiny", "ebt-s2-tiny"])
+def test_thinking_until_settled_scores_as_autograds_with_the_first_order_gradient(flavor):
+    """--think-until through EBTConfig.energy_gradient first_order: the same weights (float64)
+    give the double backward's log-likelihoods (which the adapter returns in float32: to its
+    rounding) and its tokens the same step counts."""
+    scored = []
+    for path in ("autograd", "first_order"):
+        torch.manual_seed(0)
+        model = build(resolve(flavor, {"vocab_size": 50304, "energy_gradient": path})).double().eval()
+        lm = HarnessModel(model, GPT2Tokenizer(), batch_size=3, think_steps=4, think_until=0.2, progress=False)
+        scored.append((lm.loglikelihood([Request(pair) for pair in TEXTS]), lm.step_counts()[""]))
+    (autograd, autograd_steps), (first_order, first_order_steps) = scored
+    assert [greedy for _, greedy in first_order] == [greedy for _, greedy in autograd]
+    assert [value for value, _ in first_order] == pytest.approx([value for value, _ in autograd], rel=2.4e-7, abs=0)
+    assert (first_order_steps.steps, first_order_steps.positions) == (autograd_steps.steps, autograd_steps.positions)
+    assert 1 < first_order_steps.mean < 4  # tokens stopped after different step counts
+
+
 def test_ebt_refuses_inference_mode_and_thinking_for_other_families():
     lm = HarnessModel(tiny_model("ebt-tiny"), GPT2Tokenizer(), progress=False)
     with torch.inference_mode(), pytest.raises(RuntimeError, match="inference_mode"):

@@ -194,6 +194,27 @@ def test_ebt_stop_has_no_leakage_and_its_limits():
     assert torch.equal(huge.logits, model.think(idx, steps=1).logits)
 
 
+def test_the_ebt_measurements_are_autograds_with_the_first_order_gradient():
+    """The command's EBT measurements through EBTConfig.energy_gradient first_order: the same
+    weights (float64) give the double backward's losses, thinking curve and per-token stops."""
+    reports = []
+    for path in ("autograd", "first_order"):
+        torch.manual_seed(0)
+        model = build(resolve("ebt-tiny", {"energy_gradient": path})).double().eval()
+        idx, _, _ = changed_later(model)
+        reports.append(ebt_dynamics(model, [(idx[:, :-1], idx[:, 1:])], [0.0, 0.05], max_steps=6))
+    autograd, first_order = reports
+    assert {row["tolerance"]: row["mean_steps"] for row in first_order["adaptive"]} == \
+        {row["tolerance"]: row["mean_steps"] for row in autograd["adaptive"]}
+    assert 1 < first_order["adaptive"][1]["mean_steps"] < 6  # tokens stopped after different step counts
+    for got, expected in ((first_order["loss"], autograd["loss"]),
+                          *((a["loss"], b["loss"]) for a, b in zip(first_order["thinking_curve"], autograd["thinking_curve"])),
+                          *((a["loss"], b["loss"]) for a, b in zip(first_order["adaptive"], autograd["adaptive"]))):
+        assert got == pytest.approx(expected, abs=1e-10, rel=0)
+    # the energies are kept in float32 by the command
+    assert_rounding_close(torch.from_numpy(first_order["_energy_loss"][0]), torch.from_numpy(autograd["_energy_loss"][0]))
+
+
 @pytest.mark.parametrize("family", list(FLAVORS))
 def test_the_console_shows_the_tables_and_which_batches(reports, family):
     """The command printed only the path of dynamics.json, and nothing said which batches it read
