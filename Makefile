@@ -21,8 +21,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/lint-imports --no-cache
-	@# two workers, a test file each at a time (tests/conftest.py says which files go first)
-	$(PY) -m pytest -q -n 2 --dist loadfile tests
+	$(PY) -m pytest -q tests
 
 bench-data: $(STAMP)
 	$(PY) -m bench.data

@@ -15,37 +15,6 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-TRAINER_RUNS_FILES = ("test_export.py", "test_export_hf.py", "test_recipes.py", "test_sample.py",
-                      "test_train.py", "test_train_preemption.py")
-"""Test files that read the resume matrix (trainer_runs.py), which one pytest process trains once
-(a few minutes): under pytest-xdist they run on the same worker."""
-FIRST_UNITS = ("tests/test_cluster.py", "trainer runs")
-"""What `make test` starts first on its two workers: the Slurm cluster's module (minutes, mostly
-waiting on Slurm, which the other worker's tests fill) and the trainer runs' files (the most
-CPU); the rest then goes to whichever worker is free, a file at a time."""
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):
-    """`--dist loadfile` (the Makefile's) sends each test file to one worker, so that a module's
-    fixtures are built once, with the trainer runs' files together and FIRST_UNITS first."""
-    if config.getvalue("dist") != "loadfile":
-        return None
-    from xdist.scheduler import LoadFileScheduling
-
-    class FilesLongestFirst(LoadFileScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            path = super()._split_scope(nodeid)
-            return "trainer runs" if os.path.basename(path) in TRAINER_RUNS_FILES else path
-
-        def _assign_work_unit(self, node) -> None:
-            for unit in reversed(FIRST_UNITS):
-                if unit in self.workqueue:
-                    self.workqueue.move_to_end(unit, last=False)
-            super()._assign_work_unit(node)
-
-    return FilesLongestFirst(config, log)
-
 AWKWARD_DOCS = [
     "A web page that mentions <|endoftext|> in its text.",
     "  leading and trailing whitespace  \n\n",

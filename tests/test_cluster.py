@@ -160,19 +160,19 @@ def test_a_preempted_job_checkpoints_requeues_and_resumes_exactly(slurm, shared,
 
 
 def test_a_time_limit_warning_checkpoints_requeues_and_resumes_exactly(slurm, shared, reference_two):
-    """The time limit's warning, `--signal=B:USR1@100` with a 3-minute `--time`, in the default
+    """The time limit's warning, `--signal=B:USR1@70` with a 2-minute `--time`, in the default
     mode (one torchrun per node): checkpoint, requeue (restart 1), resume, every step's loss
     equal to the uninterrupted one-host run's. Checkpoints stall (fault.checkpoint_stall_file)
-    until the warning has arrived, so that the job cannot finish first; the warning comes 80-110 s
-    into the job, after its first checkpoint has begun even on a busy host (a warning during the
-    setup would stop the job before anything is saved, and its requeue would start afresh)."""
+    until the warning has arrived, so that the job cannot finish first; the warning comes 50-80 s
+    into the job, after its first checkpoint has begun (a warning during the setup would stop
+    the job before anything is saved, and its requeue would start afresh)."""
     stall = shared / "stall-time-limited"
     stall.touch()
-    job = submit(slurm, shared, "--nodes=2", "--time=3", "--signal=B:USR1@100",
+    job = submit(slurm, shared, "--nodes=2", "--time=2", "--signal=B:USR1@70",
                  overrides=["run_name=time-limited", f"fault.checkpoint_stall_file={stall}"])
     # slurmctld sends a time limit's signal on its periodic check (every 30 s)
-    wait_until(lambda: "got USR1" in log(shared, job), "the time limit's warning", timeout=180)
-    # the requeued job keeps its 3-minute limit and would be warned again: room for the rest
+    wait_until(lambda: "got USR1" in log(shared, job), "the time limit's warning", timeout=150)
+    # the requeued job keeps its 1-minute limit and would be warned again: room for the rest
     subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=10"], env=slurm.env, check=True)
     stall.unlink()
     fields = slurm.wait_job(job, 240, states=("COMPLETED", "FAILED", "CANCELLED"))
@@ -341,7 +341,7 @@ def test_two_host_torchrun_survives_a_network_cut_and_a_lost_host_and_resumes_ex
 
     def survivor_line(first: subprocess.Popen, since: float) -> str:
         out, _ = first.communicate(timeout=COLLECTIVE_TIMEOUT_S + 40)
-        # the timeout, then the trainer's and its launcher's exits (slower while other tests run)
+        # the timeout, then the trainer's and its launcher's exits (slower on a busy host)
         assert time.monotonic() - since < COLLECTIVE_TIMEOUT_S + 20 and first.returncode == 1, out[-3000:]
         no_traceback(out)
         return out.strip().splitlines()[-1]
