@@ -51,7 +51,7 @@ class TrainerLoop:
 
     def __init__(self, config_file: Path, overrides: list[str], batches):
         from pretrain.config import load_config
-        from pretrain.validation import validate
+        from pretrain.config.validation import validate
         from pretrain.train import Trainer
 
         cfg = load_config(config_file, overrides)

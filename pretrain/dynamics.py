@@ -37,14 +37,14 @@ from common.cli import ArgumentParser, run_command
 from common.fileio import atomic_directory, atomic_write_text, markdown_table
 from pretrain.config import DataSection, EvalSection
 from pretrain.evaluate import run_dir_of
-from pretrain.metrics import append_to_tensorboard, pyplot
 from pretrain.models import family_spec
 from pretrain.models.blocks import token_losses
 from pretrain.models.descent_plumbing import energy_settled
 from pretrain.models.probes import (after_each_step, descending_families, never_rising, rank_correlation,
                                     read_out_each_step, relative_update, state_energies)
-from pretrain.trained import DTYPES, TrainedModel, inside_trainer_directory, load_trained
-from pretrain.weights import LoadError
+from pretrain.models.weights import LoadError
+from pretrain.training.metrics import append_to_tensorboard, pyplot
+from pretrain.training.trained import DTYPES, TrainedModel, inside_trainer_directory, load_trained
 
 DEFAULT_TOLERANCES = (0.0, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0)
 TRAJECTORY_SAMPLE = 48

@@ -282,8 +282,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _device(requested: str | None):
-    from pretrain.engine import training_device
-    from pretrain.trained import inference_device
+    from pretrain.training.engine import training_device
+    from pretrain.training.trained import inference_device
 
     if requested:
         return inference_device(requested)
@@ -308,8 +308,8 @@ def results_file(checkpoint_or_file: Path) -> Path:
 
 def _load_text_model(source: Path, device, dtype: str):
     from pretrain.downstream.adapter import TEXT_TOKENIZERS
-    from pretrain.trained import load_trained
-    from pretrain.weights import LoadError
+    from pretrain.models.weights import LoadError
+    from pretrain.training.trained import load_trained
 
     trained = load_trained(source, device=device, dtype=dtype)
     kind = (trained.manifest or {}).get("tokenizer")
@@ -322,13 +322,13 @@ def _load_text_model(source: Path, device, dtype: str):
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     from data_pipeline.errors import DataError
-    from pretrain import checkpoint
     from pretrain.downstream import generation, harness
     from pretrain.downstream.adapter import HarnessModel
     from pretrain.downstream.data import DataMissing, data_root
-    from pretrain.engine import keep_freed_host_memory
+    from pretrain.training import checkpoint
+    from pretrain.training.engine import keep_freed_host_memory
     from common.fileio import atomic_write_text
-    from pretrain.weights import LoadError
+    from pretrain.models.weights import LoadError
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
@@ -398,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out, json.dumps(report, indent=2) + "\n")
     if run_dir is not None:
-        from pretrain.metrics import append_to_tensorboard
+        from pretrain.training.metrics import append_to_tensorboard
 
         append_to_tensorboard(run_dir / "tb", trained.step, harness.scalars(rows))
     print(harness.table(rows), end="")

@@ -37,8 +37,8 @@ from safetensors.torch import save_file
 from common.cli import ArgumentParser, run_command
 from common.fileio import atomic_write, sha256_hex
 from pretrain.export_hf import check_out, export_hf, write_failure
-from pretrain.trained import TrainedModel, load_trained
-from pretrain.weights import EXPORT_CHECKSUM, export_checksum
+from pretrain.models.weights import EXPORT_CHECKSUM, export_checksum
+from pretrain.training.trained import TrainedModel, load_trained
 
 
 def export(source: str | Path, out: str | Path, overwrite: bool = False) -> Path:

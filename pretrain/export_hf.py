@@ -33,8 +33,8 @@ from pretrain.evaluate import results_file
 from pretrain.hf import native
 from pretrain.hf.load import CHECKSUM_FILE, CODE_PREFIX, RUN_FILE
 from pretrain.models import build, family_name, family_spec, model_class
-from pretrain.summary import SUMMARY_FILE
-from pretrain.trained import TrainedModel, inside_trainer_directory, is_run_directory
+from pretrain.training.summary import SUMMARY_FILE
+from pretrain.training.trained import TrainedModel, inside_trainer_directory, is_run_directory
 
 REMOTE_MODEL_TYPE = "pretrain_{family}"
 """model_type of the exports that carry their code."""

@@ -31,12 +31,12 @@ from torch.utils._pytree import tree_leaves
 
 from common.cli import ArgumentParser, positive_int, run_command
 from pretrain.config import ConfigError, RunConfig, batch_split, describe_batch_split, load_config, model_config
-from pretrain.engine import deepspeed_config
-from pretrain.flops import peak_tflops
-from pretrain.meta_attention import attention_on_meta, kernel_scratch_bytes
+from pretrain.config.precision import Precision, resolve_precision
+from pretrain.config.validation import validate
 from pretrain.models import FLAVORS, build, family_name, family_spec
-from pretrain.precision import Precision, resolve_precision
-from pretrain.validation import validate
+from pretrain.training.engine import deepspeed_config
+from pretrain.training.flops import peak_tflops
+from pretrain.training.meta_attention import attention_on_meta, kernel_scratch_bytes
 
 GIB = 2**30
 
@@ -44,7 +44,7 @@ GIB = 2**30
 @dataclass(frozen=True)
 class GPU:
     name: str
-    """The device name as torch reports it (`pretrain.flops` looks its peak up by it)."""
+    """The device name as torch reports it (`pretrain.training.flops` looks its peak up by it)."""
     memory_bytes: int
     """Device memory as the driver reports it (nvidia-smi's total)."""
 
@@ -55,7 +55,7 @@ GPUS = {
     "a100-80gb": GPU("NVIDIA A100-SXM4-80GB", 81920 * 2**20),
 }
 """The GPUs a plan can be made for (SXM boards). Their dense bf16 peaks are vendor datasheet
-numbers, in `pretrain.flops.PEAK_BF16_TFLOPS`: 989 TFLOP/s for H100 and H200, 312 for A100."""
+numbers, in `pretrain.training.flops.PEAK_BF16_TFLOPS`: 989 TFLOP/s for H100 and H200, 312 for A100."""
 
 MFU_RANGE = (0.5, 0.3)
 """Model FLOPs utilisation of the fast and the slow end of the step-time range."""

@@ -34,24 +34,24 @@ import yaml
 
 from common.cli import EXIT_DIR_VARIABLE, ArgumentParser, write_exit_file
 from common.fileio import atomic_write_text, write_failure_reason
-from pretrain.checkpoint import CheckpointError, CheckpointManager, ResumeState, data_identity
 from pretrain.config import (ConfigError, RunConfig, batch_split, describe_attention, describe_batch_split,
                              load_config, model_config, to_dict)
-from pretrain.engine import (configure_device_math, deepspeed_config, distributed_env, initialize,
+from pretrain.config.precision import resolve_precision
+from pretrain.config.validation import validate
+from pretrain.evaluate import EvalResult, evaluate, evaluate_downstream
+from pretrain.models import build, family_name, family_spec
+from pretrain.training.checkpoint import CheckpointError, CheckpointManager, ResumeState, data_identity
+from pretrain.training.engine import (configure_device_math, deepspeed_config, distributed_env, initialize,
                              lost_peer_line, seed_process, time_out_every_group, training_device,
                              use_current_collectives)
-from pretrain.evaluate import EvalResult, evaluate, evaluate_downstream
-from pretrain.faults import Faults
-from pretrain.flops import peak_tflops
-from pretrain.metrics import Metrics, StepResult, Throughput, diagnostic_scalars
-from pretrain.models import build, family_name, family_spec
-from pretrain.optim import SpikeGuard, build_optimizer, lr_factor, param_groups, set_lr
-from pretrain.precision import resolve_precision
-from pretrain.preflight import check_dataset, evaluates, preflight
-from pretrain.stopping import (EXIT_PREEMPTED, Aborted, StopSignals, StoppedInSetup, ignore_stop_signals,
+from pretrain.training.faults import Faults
+from pretrain.training.flops import peak_tflops
+from pretrain.training.metrics import Metrics, StepResult, Throughput, diagnostic_scalars
+from pretrain.training.optim import SpikeGuard, build_optimizer, lr_factor, param_groups, set_lr
+from pretrain.training.preflight import check_dataset, evaluates, preflight
+from pretrain.training.stopping import (EXIT_PREEMPTED, Aborted, StopSignals, StoppedInSetup, ignore_stop_signals,
                                stopped_line)
-from pretrain.summary import SUMMARY_FILE, RunRecord, TrainState
-from pretrain.validation import validate
+from pretrain.training.summary import SUMMARY_FILE, RunRecord, TrainState
 
 
 class NonFiniteError(RuntimeError):
@@ -152,7 +152,7 @@ class Trainer:
         # before the engine partitions the parameters; a resumed run gets its weights from its checkpoint
         if cfg.model.init_from and self.checkpoints.resume_from is None:
             from pretrain.hf.load import load_pretrained_weights
-            from pretrain.weights import LoadError
+            from pretrain.models.weights import LoadError
 
             try:
                 self.resume_notes += load_pretrained_weights(model, cfg.model.init_from)

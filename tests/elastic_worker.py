@@ -19,8 +19,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pretrain.config import ConfigError, load_config  # noqa: E402
+from pretrain.config.validation import validate  # noqa: E402
 from pretrain.train import Trainer  # noqa: E402
-from pretrain.validation import validate  # noqa: E402
 
 
 class RecordingTrainer(Trainer):

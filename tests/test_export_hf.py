@@ -30,7 +30,7 @@ from pretrain import export
 from pretrain.export_hf import ExportError, carried_sources, export_hf
 from pretrain.hf.load import load_pretrained_weights
 from pretrain.models import build, resolve
-from pretrain.trained import LoadError, TrainedModel, load_trained
+from pretrain.training.trained import LoadError, TrainedModel, load_trained
 
 CASES = {"gpt": ("gpt-tiny", {}), "gpt_rec": ("gpt_rec-tiny", {}), "nrgpt": ("nrgpt-tiny", {}),
          "ebt": ("ebt-tiny", {}), "transformer_pp": ("transformer_pp-tiny", {}),
@@ -461,7 +461,7 @@ def test_a_single_file_export_without_a_checksum_still_loads(built_exports, tmp_
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from pretrain.weights import EXPORT_CHECKSUM
+    from pretrain.models.weights import EXPORT_CHECKSUM
 
     model, _ = built_exports["gpt"]
     trained = TrainedModel(model=model, flavor="gpt-tiny", model_config=model.config, step=12,
@@ -507,7 +507,7 @@ def test_a_failing_export_leaves_out_untouched(run_exports, tmp_path):
 
 def test_init_from_must_name_a_hugging_face_directory(tmp_path):
     from pretrain.config import ConfigError, load_config
-    from pretrain.validation import validate
+    from pretrain.config.validation import validate
 
     config = tmp_path / "run.yaml"
     config.write_text(f"data:\n  path: {tmp_path}\ntrain:\n  max_steps: 1\n")

@@ -268,7 +268,7 @@ def resume_matrix() -> subprocess.CompletedProcess:
 def _matrix_worker() -> None:
     sys.path.insert(0, str(REPO))
     from pretrain.config import load_config
-    from pretrain.validation import validate
+    from pretrain.config.validation import validate
     from pretrain.train import run
 
     config_file = base_config_file()

@@ -10,7 +10,7 @@ import torch
 from common.fileio import read_json, sha256_hex
 from pretrain.hf import native
 from pretrain.models import family_name
-from pretrain.weights import LoadError, load_weights, read_safetensors
+from pretrain.models.weights import LoadError, load_weights, read_safetensors
 
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"

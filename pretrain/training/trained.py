@@ -22,12 +22,12 @@ import torch
 import torch.nn as nn
 
 from common.fileio import read_json
-from pretrain import checkpoint
 from pretrain.config import to_dict
 from pretrain.hf.load import read_export, tensors_for
 from pretrain.models import FamilySpec, build, family_name, family_spec, resolve
-from pretrain.summary import SUMMARY_FILE
-from pretrain.weights import LoadError, load_weights, read_safetensors
+from pretrain.models.weights import LoadError, load_weights, read_safetensors
+from pretrain.training import checkpoint
+from pretrain.training.summary import SUMMARY_FILE
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 RUN_ENTRIES = ("ckpt", "tb", "config.yaml", SUMMARY_FILE)
