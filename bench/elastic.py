@@ -53,10 +53,10 @@ def main() -> None:
 
     from pretrain.config import load_config
     from pretrain.config.validation import validate
-    from pretrain.train import Trainer
     from pretrain.training import checkpoint
     from pretrain.training.checkpoint.layout import UNIVERSAL
     from pretrain.training.engine import distributed_env
+    from pretrain.training.trainer import Trainer
 
     work = Path(tempfile.mkdtemp(prefix="bench-elastic-"))
     try:

@@ -152,8 +152,8 @@ def measure_training(case: Case, settings: Settings, cap_s: float, result: dict)
     from pretrain.config import gpu_attention
     from pretrain.config.precision import resolve_precision
     from pretrain.models.replay import replay_store_bytes
-    from pretrain.train import Trainer
     from pretrain.training.flops import achieved_tflops, mfu
+    from pretrain.training.trainer import Trainer
 
     started = time.perf_counter()
     on_gpu = settings.device == "cuda"

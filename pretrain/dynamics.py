@@ -71,7 +71,7 @@ Batches = list[tuple[torch.Tensor, torch.Tensor]]
 def evaluation_batches(data_dir: str, split: str, batch_size: int, batches: int, seed: int,
                        device: torch.device) -> Batches:
     """The first `batches` micro-batches of `split` in order, cycling a short split: the batches
-    the trainer's evaluation reads (`pretrain.evaluate.evaluate`)."""
+    the trainer's evaluation reads (`pretrain.training.evaluation.evaluate`)."""
     from data_pipeline.loader import build_loader
 
     loader = build_loader(data_dir, split, micro_batch_size=batch_size, seed=seed, shuffle=False,

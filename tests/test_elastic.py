@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 
 import trainer_runs as runs
-from pretrain.train import EXIT_PREEMPTED
+from pretrain.training.stopping import EXIT_PREEMPTED
 
 N_STEPS, INTERVAL = 32, 8
 SETTINGS = [f"train.max_steps={N_STEPS}", f"checkpoint.interval={INTERVAL}", "model.flavor=gpt-tiny"]

@@ -18,10 +18,10 @@ import pytest
 import trainer_runs as runs
 from test_launch_scripts import TORCHRUN_SIGNALS
 from data_pipeline.prepare import default_num_proc
-from pretrain.train import EXIT_PREEMPTED
 from pretrain.training import checkpoint
 from pretrain.training.checkpoint import layout
 from pretrain.training.runlock import lock_file
+from pretrain.training.stopping import EXIT_PREEMPTED
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -552,7 +552,7 @@ def test_a_lost_peer_is_one_line_naming_it_in_each_of_gloos_forms(message, what)
 SETUP_AND_GROUP_TIMEOUTS = """
 import json, sys, torch, torch.distributed.distributed_c10d as c10d
 from pretrain.config import load_config
-from pretrain.train import Trainer
+from pretrain.training.trainer import Trainer
 trainer = Trainer(load_config(sys.argv[1], sys.argv[2:]))
 trainer.setup()
 print(json.dumps([group._get_backend(torch.device("cpu")).options._timeout.total_seconds()

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 import trainer_runs as runs
-from pretrain.train import Trainer
+from pretrain.training.trainer import Trainer
 
 READS = ("item", "tolist", "cpu", "numpy", "nonzero", "__bool__", "__float__", "__int__", "__index__")
 """Tensor methods that return a tensor's value (or a size that depends on it) to the host."""

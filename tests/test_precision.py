@@ -228,7 +228,7 @@ def resumed_state(config, overrides: list[str]) -> tuple[dict, dict]:
     from its checkpoint, before any step. A world of one in this process, as `runs.command_here`
     runs the trainer."""
     import trainer_runs as runs
-    from pretrain.train import Trainer
+    from pretrain.training.trainer import Trainer
 
     cfg = load_config(config, overrides)
     validate(cfg, 1, has_gpu=False)
