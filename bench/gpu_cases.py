@@ -138,7 +138,7 @@ def planned_memory(cfg, vocab_size: int) -> dict[str, int]:
     data pipeline, and so mosaicml-streaming, which the GPU machine lacks)."""
     from pretrain.config import model_config
     from pretrain.config.precision import resolve_precision
-    from pretrain.plan import memory_parts, meta_model
+    from pretrain.training.planner import memory_parts, meta_model
 
     precision = resolve_precision(cfg.train.precision, has_gpu=True)
     parts = memory_parts(cfg, meta_model(model_config(cfg, vocab_size)), precision, 1, cfg.data.micro_batch_size)

@@ -20,8 +20,8 @@ from pretrain.models.common import KVSlot
 from pretrain.models.descent_plumbing import StepSettings
 from pretrain.models.ebt_attention import TwoStreamAttention
 from pretrain.models.nrgpt import EnergyAttention, GeluAndSlope, NRGPTConfig
-from pretrain.plan import make_plan, model_state_bytes
 from pretrain.training.engine import deepspeed_config
+from pretrain.training.planner import make_plan, model_state_bytes
 
 BF16_EPS = torch.finfo(torch.bfloat16).eps
 
