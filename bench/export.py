@@ -20,10 +20,10 @@ import torch
 from common.cli import ArgumentParser, run_command
 from common.fileio import markdown_table
 from pretrain.export import write_file
-from pretrain.export_hf import export_hf
 from pretrain.hf.load import verify_checksums
 from pretrain.models import build, resolve
 from pretrain.models.weights import export_checksum, read_safetensors
+from pretrain.training.export_hf import export_hf
 from pretrain.training.trained import TrainedModel, load_trained
 
 FLAVOR = "gpt-124m"

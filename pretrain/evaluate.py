@@ -75,22 +75,6 @@ def _device(requested: str | None):
     return training_device("auto", int(os.environ.get("LOCAL_RANK", "0")))
 
 
-def run_dir_of(checkpoint_or_file: Path) -> Path | None:
-    """The run directory a checkpoint belongs to (RUN/ckpt/<tag>); None for an export."""
-    if checkpoint_or_file.is_dir() and checkpoint_or_file.parent.name == "ckpt":
-        return checkpoint_or_file.parent.parent
-    return None
-
-
-def results_file(checkpoint_or_file: Path) -> Path:
-    """Where the command writes its results JSON without --out: RUN_DIR/downstream/<tag>.json
-    for a run's checkpoint (the model card of an export shows it), next to an export otherwise."""
-    run_dir = run_dir_of(checkpoint_or_file)
-    if run_dir is None:
-        return checkpoint_or_file.with_suffix(".downstream.json")
-    return run_dir / "downstream" / f"{checkpoint_or_file.name}.json"
-
-
 def _load_text_model(source: Path, device, dtype: str):
     from pretrain.downstream.adapter import TEXT_TOKENIZERS
     from pretrain.models.weights import LoadError
@@ -112,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     from pretrain.downstream.data import DataMissing, data_root
     from pretrain.training import checkpoint
     from pretrain.training.engine import keep_freed_host_memory
+    from pretrain.training.trained import results_file, run_dir_of
     from common.fileio import atomic_write_text
     from pretrain.models.weights import LoadError
 

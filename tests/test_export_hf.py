@@ -27,9 +27,9 @@ import torch
 import trainer_runs as runs
 from numerics import assert_rounding_close
 from pretrain import export
-from pretrain.export_hf import ExportError, carried_sources, export_hf
 from pretrain.hf.load import load_pretrained_weights
 from pretrain.models import build, resolve
+from pretrain.training.export_hf import ExportError, carried_sources, export_hf
 from pretrain.training.trained import LoadError, TrainedModel, load_trained
 
 CASES = {"gpt": ("gpt-tiny", {}), "gpt_rec": ("gpt_rec-tiny", {}), "nrgpt": ("nrgpt-tiny", {}),
