@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# One JIT build directory per environment (pretrain/engine.py defaults to the same place).
+# One JIT build directory per environment (pretrain/training/engine.py defaults to the same place).
 export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
 
 .PHONY: demo test bench-data bench-models clean-venv

@@ -3,7 +3,7 @@ micro-batch, against the same evaluation without it, per family and shape. Targe
 
     python -m bench.dynamics [--rounds 3] [--threads 1]
 
-The evaluation here is what `pretrain.evaluate.evaluate` runs per batch: the eval forward with
+The evaluation here is what `pretrain.training.evaluation.evaluate` runs per batch: the eval forward with
 targets, and for EBT also the thinking curve (`think` with targets at eval.think_steps); the
 text sample is left out, so the ratio is an upper bound of the trainer's. Shapes: the tiny
 configs' (GPT-2 vocabulary), the character-level Shakespeare experiment's (width 64), and the
@@ -17,8 +17,8 @@ import torch
 
 from common.cli import ArgumentParser, run_command
 from common.fileio import markdown_table
-from pretrain.evaluate import DescentProbe
 from pretrain.models import build, resolve
+from pretrain.training.evaluation import DescentProbe
 
 SHAPES = {
     # name: (flavor, overrides, micro-batch, seq_len, eval batches, think steps)

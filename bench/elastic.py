@@ -51,12 +51,12 @@ def main() -> None:
 
     import deepspeed
 
-    from pretrain import checkpoint
-    from pretrain.checkpoint.layout import UNIVERSAL
     from pretrain.config import load_config
-    from pretrain.validation import validate
-    from pretrain.engine import distributed_env
-    from pretrain.train import Trainer
+    from pretrain.config.validation import validate
+    from pretrain.training import checkpoint
+    from pretrain.training.checkpoint.layout import UNIVERSAL
+    from pretrain.training.engine import distributed_env
+    from pretrain.training.trainer import Trainer
 
     work = Path(tempfile.mkdtemp(prefix="bench-elastic-"))
     try:

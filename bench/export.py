@@ -20,11 +20,11 @@ import torch
 from common.cli import ArgumentParser, run_command
 from common.fileio import markdown_table
 from pretrain.export import write_file
-from pretrain.export_hf import export_hf
 from pretrain.hf.load import verify_checksums
 from pretrain.models import build, resolve
-from pretrain.trained import TrainedModel, load_trained
-from pretrain.weights import export_checksum, read_safetensors
+from pretrain.models.weights import export_checksum, read_safetensors
+from pretrain.training.export_hf import export_hf
+from pretrain.training.trained import TrainedModel, load_trained
 
 FLAVOR = "gpt-124m"
 MANIFEST = {"tokenizer": "gpt2", "vocab_size": 50257, "eot_id": 50256, "seq_len": 1024, "source": "openwebtext"}

@@ -215,7 +215,7 @@ def worker() -> int:
         with stop_signals_raising():
             import deepspeed
             import torch
-            from pretrain.engine import distributed_env
+            from pretrain.training.engine import distributed_env
 
             if settings.device == "cpu":
                 torch.set_num_threads(1)  # tiny models on a shared CPU: one thread wastes least

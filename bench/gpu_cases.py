@@ -54,7 +54,7 @@ class Settings:
     steps: int
     """Timed steps at most."""
     peak_tflops: float | None
-    """Peak for MFU; None looks the device up in pretrain.flops."""
+    """Peak for MFU; None looks the device up in pretrain.training.flops."""
     deadline: float
     """time.monotonic() by which the worker is to have ended its last case."""
 
@@ -122,7 +122,7 @@ def bench_config(case: Case, settings: Settings, output_root: str):
     benchmark need it: one micro-batch of the configured size per step (the split the trainer
     takes on one GPU), no data files, a temporary output root. Checked like a real run's."""
     from pretrain.config import load_config
-    from pretrain.validation import validate
+    from pretrain.config.validation import validate
 
     cfg = load_config(REPO / case.config, [*case.overrides, "run_name=bench-gpu", f"output_root={output_root}",
                                            "data.path=synthetic-tokens", "data.num_workers=0"])
@@ -137,8 +137,8 @@ def planned_memory(cfg, vocab_size: int) -> dict[str, int]:
     pretrain.plan --gpus 1` has them (`make_plan` itself would look for a dataset through the
     data pipeline, and so mosaicml-streaming, which the GPU machine lacks)."""
     from pretrain.config import model_config
-    from pretrain.plan import memory_parts, meta_model
-    from pretrain.precision import resolve_precision
+    from pretrain.config.precision import resolve_precision
+    from pretrain.training.planner import memory_parts, meta_model
 
     precision = resolve_precision(cfg.train.precision, has_gpu=True)
     parts = memory_parts(cfg, meta_model(model_config(cfg, vocab_size)), precision, 1, cfg.data.micro_batch_size)
@@ -150,10 +150,10 @@ def measure_training(case: Case, settings: Settings, cap_s: float, result: dict)
     synthetic tokens, filling `result` as figures come (a case cut short keeps them)."""
     import torch
     from pretrain.config import gpu_attention
-    from pretrain.flops import achieved_tflops, mfu
+    from pretrain.config.precision import resolve_precision
     from pretrain.models.replay import replay_store_bytes
-    from pretrain.precision import resolve_precision
-    from pretrain.train import Trainer
+    from pretrain.training.flops import achieved_tflops, mfu
+    from pretrain.training.trainer import Trainer
 
     started = time.perf_counter()
     on_gpu = settings.device == "cuda"
@@ -193,7 +193,7 @@ def measure_training(case: Case, settings: Settings, cap_s: float, result: dict)
             result["attention"].update(ran=ran, holds=prediction_holds(result["attention"]["predicted"], ran)
                                        if on_gpu else None)
             seconds: list[float] = []
-            peak = trainer.throughput.peak_tflops  # train.peak_tflops, or the device's entry in pretrain.flops
+            peak = trainer.throughput.peak_tflops  # train.peak_tflops, or the device's entry in pretrain.training.flops
             while len(seconds) < settings.steps and (len(seconds) < 2 or time.perf_counter() - started < 0.8 * cap_s):
                 seconds.append(step())
                 tokens_per_s = micro_batch * seq_len / statistics.median(seconds)

@@ -29,8 +29,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench.memory import peak_allocated_bytes
 from common.cli import ArgumentParser, run_command
-from pretrain.engine import compiled_cpu_kernel_settings
 from pretrain.models import build, resolve
+from pretrain.training.engine import compiled_cpu_kernel_settings
 
 
 @dataclass

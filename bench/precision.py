@@ -37,8 +37,8 @@ import torch
 from bench.models import print_table
 from common.cli import ArgumentParser, run_command
 from pretrain.config import load_config, model_config
+from pretrain.config.precision import precisions
 from pretrain.models import build
-from pretrain.precision import precisions
 
 REPO = Path(__file__).resolve().parent.parent
 PRECISIONS = ("fp32", "bf16", "bf16-autocast")

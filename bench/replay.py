@@ -32,10 +32,10 @@ from common.cli import ArgumentParser, run_command
 from data_pipeline.loader import build_loader
 from data_pipeline.prepare import ensure_prepared
 from pretrain.config import load_config, model_config
-from pretrain.engine import keep_freed_host_memory
 from pretrain.models import build, resolve
 from pretrain.models.replay import ReplayStore, replay_store_bytes
-from pretrain.optim import build_optimizer, lr_factor, param_groups, set_lr
+from pretrain.training.engine import keep_freed_host_memory
+from pretrain.training.optim import build_optimizer, lr_factor, param_groups, set_lr
 
 CONFIG = "configs/tiny/ebt.yaml"
 S2 = ["model.flavor=ebt-s2-tiny", "optimizer.decay=all", "optimizer.weight_decay=0.01",

@@ -51,8 +51,8 @@ class TrainerLoop:
 
     def __init__(self, config_file: Path, overrides: list[str], batches):
         from pretrain.config import load_config
-        from pretrain.validation import validate
-        from pretrain.train import Trainer
+        from pretrain.config.validation import validate
+        from pretrain.training.trainer import Trainer
 
         cfg = load_config(config_file, overrides)
         validate(cfg, world_size=1, has_gpu=False)

@@ -11,7 +11,7 @@ flavor and the full model config (`load` below does both steps), and a checksum 
 and tensors, which loading verifies (a changed or damaged file is refused in one line).
 
 `--format hf` writes a directory that `AutoModelForCausalLM.from_pretrained` and
-`AutoTokenizer.from_pretrained` load (see `pretrain.export_hf`): native GPT2LMHeadModel /
+`AutoTokenizer.from_pretrained` load (see `pretrain.training.export_hf`): native GPT2LMHeadModel /
 LlamaForCausalLM for gpt / transformer_pp, the model's own code (`trust_remote_code=True`) for
 gpt_rec, nrgpt and ebt, with the tokenizer and a model card. Either output appears only when complete.
 
@@ -36,9 +36,9 @@ from safetensors.torch import save_file
 
 from common.cli import ArgumentParser, run_command
 from common.fileio import atomic_write, sha256_hex
-from pretrain.export_hf import check_out, export_hf, write_failure
-from pretrain.trained import TrainedModel, load_trained
-from pretrain.weights import EXPORT_CHECKSUM, export_checksum
+from pretrain.models.weights import EXPORT_CHECKSUM, export_checksum
+from pretrain.training.export_hf import check_out, export_hf, write_failure
+from pretrain.training.trained import TrainedModel, load_trained
 
 
 def export(source: str | Path, out: str | Path, overwrite: bool = False) -> Path:

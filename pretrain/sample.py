@@ -27,8 +27,8 @@ import torch
 
 from common.cli import ArgumentParser, run_command
 from pretrain.models.common import StepCount, decode, sample_logits
-from pretrain.trained import DTYPES, TrainedModel, load_trained
-from pretrain.weights import LoadError
+from pretrain.models.weights import LoadError
+from pretrain.training.trained import DTYPES, TrainedModel, load_trained
 
 EBT_OPTIONS = ("think_steps", "best_of", "think_until")
 

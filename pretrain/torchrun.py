@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 from common.cli import EXIT_DIR_VARIABLE
-from pretrain.stopping import EXIT_PREEMPTED
+from pretrain.training.stopping import EXIT_PREEMPTED
 
 FAILED_PEER_GRACE_S = 5.0
 """After a worker failed, how long the others have to end by themselves (a rank that met the

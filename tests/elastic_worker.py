@@ -4,7 +4,7 @@ torchrun), with a record of the training windows each run consumed.
     python tests/elastic_worker.py PLAN.json      (torchrun ... tests/elastic_worker.py PLAN.json)
 
 PLAN.json: {"config": base config file, "runs": [{"overrides": [...], "record": path}, ...]}.
-Each run is the real trainer (`pretrain.train.Trainer`: setup, train, close), observed by a
+Each run is the real trainer (`pretrain.training.trainer.Trainer`: setup, train, close), observed by a
 subclass that notes, for every micro-batch it takes from the loader, the optimizer step it
 belongs to and the window (inputs plus the last target). Rank r writes `record.rank{r}.json`:
 {"code": exit code or null, "error": one-line ConfigError or null, "windows": [[step, [tokens]], ...]}.
@@ -19,8 +19,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pretrain.config import ConfigError, load_config  # noqa: E402
-from pretrain.train import Trainer  # noqa: E402
-from pretrain.validation import validate  # noqa: E402
+from pretrain.config.validation import validate  # noqa: E402
+from pretrain.training.trainer import Trainer  # noqa: E402
 
 
 class RecordingTrainer(Trainer):

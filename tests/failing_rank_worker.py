@@ -16,11 +16,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pretrain import train  # noqa: E402
 from pretrain.config import ConfigError  # noqa: E402
+from pretrain.training import trainer  # noqa: E402
 
 FAILING_RANK, STAMP = int(sys.argv[1]), Path(sys.argv[2])
 
 
-class FailingTrainer(train.Trainer):
+class FailingTrainer(trainer.Trainer):
     def build_engine(self, dataset_vocab_size: int) -> None:
         if self.rank == FAILING_RANK:
             STAMP.write_text(str(time.time()))
@@ -28,5 +29,5 @@ class FailingTrainer(train.Trainer):
         super().build_engine(dataset_vocab_size)
 
 
-train.Trainer = FailingTrainer  # the class train.run builds
+trainer.Trainer = FailingTrainer  # the class trainer.run builds
 sys.exit(train.main(sys.argv[3:]))

@@ -10,8 +10,8 @@ import torch
 
 from bench.gpu_cases import REPO, synthetic_batches
 from pretrain.config import load_config
-from pretrain.engine import distributed_env
-from pretrain.train import Trainer
+from pretrain.training.engine import distributed_env
+from pretrain.training.trainer import Trainer
 
 STEPS = 3
 MICRO_BATCH, SEQ_LEN, VOCAB_SIZE = 4, 32, 512

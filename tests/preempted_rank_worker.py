@@ -13,7 +13,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.cli import write_exit_file  # noqa: E402
-from pretrain.stopping import EXIT_PREEMPTED  # noqa: E402
+from pretrain.training.stopping import EXIT_PREEMPTED  # noqa: E402
 
 SECONDS, DONE = float(sys.argv[1]), Path(sys.argv[2])
 

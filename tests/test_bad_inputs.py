@@ -13,9 +13,9 @@ import pytest
 import yaml
 
 import trainer_runs as runs
-from pretrain import checkpoint
 from pretrain.config import load_config
-from pretrain.runlock import RunLock
+from pretrain.training import checkpoint
+from pretrain.training.runlock import RunLock
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

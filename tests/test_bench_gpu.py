@@ -24,7 +24,7 @@ from bench.precision import BF16_GRADIENT_ERRORS, GROUPS
 from pretrain.config import gpu_attention, load_config
 from pretrain.models import build, model_class, resolve
 from pretrain.models.replay import replay_store_bytes
-from pretrain.plan import make_plan
+from pretrain.training.planner import make_plan
 
 PEAK = 2.0
 """A made-up peak (TFLOP/s) so that MFU is computed on a CPU too."""

@@ -26,10 +26,10 @@ import torch.distributed as dist
 import trainer_runs as runs
 from common.fileio import atomic_write, atomic_write_text
 from numerics import assert_rounding_close
-from pretrain import checkpoint
-from pretrain.checkpoint import layout
 from pretrain.models import resolve
 from pretrain.models.replay import LEGACY_REPLAY_BUFFERS, ReplayStore, replay_store_bytes
+from pretrain.training import checkpoint
+from pretrain.training.checkpoint import layout
 
 
 def make(ckpt_dir, step, complete=True):

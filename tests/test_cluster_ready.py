@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from pretrain.config import ConfigError, batch_split, describe_attention, load_config
-from pretrain.engine import gpu_index
 from pretrain.train import main as train_main
+from pretrain.training.engine import gpu_index
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = sorted(str(p.relative_to(REPO)) for pattern in ("configs/owt/*.yaml", "configs/tiny/*.yaml",

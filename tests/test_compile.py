@@ -18,8 +18,8 @@ from torch._inductor.utils import run_and_get_code
 import trainer_runs as runs
 from numerics import assert_rounding_close
 from pretrain.config import load_config
-from pretrain.engine import compiled_cpu_kernel_settings
 from pretrain.models import build, model_class, resolve
+from pretrain.training.engine import compiled_cpu_kernel_settings
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "owt"
 

@@ -11,13 +11,13 @@ import pytest
 import torch
 import yaml
 
-from pretrain import optim
 from pretrain.config import (ConfigError, OptimizerSection, ScheduleSection, from_dict, load_config, model_config,
                              to_dict)
-from pretrain.engine import deepspeed_config
+from pretrain.config.precision import precisions
+from pretrain.config.validation import validate
 from pretrain.models import build, resolve
-from pretrain.precision import precisions
-from pretrain.validation import validate
+from pretrain.training import optim
+from pretrain.training.engine import deepspeed_config
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_CONFIGS = sorted((REPO / "configs" / "tiny").glob("*.yaml"))

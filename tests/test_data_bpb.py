@@ -12,7 +12,7 @@ from conftest import TINY_SETTINGS
 from data_pipeline.loader import build_loader
 from data_pipeline.prepare import is_val_document, prepare
 from data_pipeline.tokenizer import GPT2_EOT_ID, gpt2_encoding, token_byte_lengths
-from pretrain.evaluate import bits_per_byte
+from pretrain.training.evaluation import bits_per_byte
 
 
 def test_manifest_bytes_are_the_texts_and_the_tokens_bytes(tiny_dataset, corpus_docs):

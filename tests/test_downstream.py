@@ -22,7 +22,7 @@ from pretrain import evaluate
 from pretrain.downstream import data, harness
 from pretrain.downstream.adapter import HarnessModel, Request
 from pretrain.models import build, resolve
-from pretrain.trained import load_trained
+from pretrain.training.trained import load_trained
 
 FLAVORS = ["gpt-tiny", "gpt_rec-tiny", "nrgpt-tiny", "transformer_pp-tiny", "ebt-tiny"]
 TEXTS = [
@@ -405,7 +405,7 @@ def test_missing_evaluation_data_says_how_to_install_it(monkeypatch, tmp_path, c
 
 def test_bad_in_training_settings_are_config_errors(tmp_path):
     from pretrain.config import ConfigError, load_config
-    from pretrain.validation import validate
+    from pretrain.config.validation import validate
 
     def check(*overrides: str) -> None:
         validate(load_config("configs/tiny/gpt.yaml", list(overrides)), world_size=1, has_gpu=False)

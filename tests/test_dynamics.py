@@ -15,11 +15,12 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import trainer_runs as runs
 from numerics import assert_rounding_close
-from pretrain.dynamics import adaptive_exit, ebt_dynamics, fixed_depth, recurrent_dynamics, stopped_steps
-from pretrain.evaluate import DescentProbe
 from pretrain.models import build, resolve
 from pretrain.models.blocks import token_losses
 from pretrain.models.probes import rank_correlation
+from pretrain.training.dynamics_measures import (adaptive_exit, ebt_dynamics, fixed_depth, recurrent_dynamics,
+                                                 stopped_steps)
+from pretrain.training.evaluation import DescentProbe
 
 STEPS = 4
 FLAVORS = {"nrgpt": "nrgpt-tiny", "gpt_rec": "gpt_rec-tiny", "ebt": "ebt-tiny"}

@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 
 import trainer_runs as runs
-from pretrain.train import EXIT_PREEMPTED
+from pretrain.training.stopping import EXIT_PREEMPTED
 
 N_STEPS, INTERVAL = 32, 8
 SETTINGS = [f"train.max_steps={N_STEPS}", f"checkpoint.interval={INTERVAL}", "model.flavor=gpt-tiny"]
@@ -197,7 +197,7 @@ def test_token_budget_after_a_global_batch_change():
 def test_which_checkpoints_go_through_the_universal_form(tmp_path, saved, now, expected):
     """(world size, ZeRO stage) saved -> now: ZeRO shards need the universal form for any change;
     stage 0 loads at any world size; a change to or from stage 0 is refused."""
-    from pretrain import checkpoint
+    from pretrain.training import checkpoint
 
     tag_dir = tmp_path / "step_00000004"
     if isinstance(expected, str):

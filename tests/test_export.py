@@ -15,9 +15,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import trainer_runs as runs
-from pretrain import checkpoint, export
-from pretrain.checkpoint import layout
+from pretrain import export
 from pretrain.models import build, resolve
+from pretrain.training import checkpoint
+from pretrain.training.checkpoint import layout
 
 
 @pytest.fixture(scope="module")

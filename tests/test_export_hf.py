@@ -27,10 +27,10 @@ import torch
 import trainer_runs as runs
 from numerics import assert_rounding_close
 from pretrain import export
-from pretrain.export_hf import ExportError, carried_sources, export_hf
 from pretrain.hf.load import load_pretrained_weights
 from pretrain.models import build, resolve
-from pretrain.trained import LoadError, TrainedModel, load_trained
+from pretrain.training.export_hf import ExportError, carried_sources, export_hf
+from pretrain.training.trained import LoadError, TrainedModel, load_trained
 
 CASES = {"gpt": ("gpt-tiny", {}), "gpt_rec": ("gpt_rec-tiny", {}), "nrgpt": ("nrgpt-tiny", {}),
          "ebt": ("ebt-tiny", {}), "transformer_pp": ("transformer_pp-tiny", {}),
@@ -181,8 +181,8 @@ def test_carried_code_imports_only_the_standard_library_torch_and_transformers(b
 
 
 def test_carried_code_refuses_imports_an_export_cannot_satisfy():
-    with pytest.raises(ExportError, match="pretrain.train imports .*; exported modeling code may import only"):
-        carried_sources(["pretrain.train"])  # the trainer: numpy, yaml, deepspeed, ...
+    with pytest.raises(ExportError, match="pretrain.training.trainer imports .*; exported modeling code may import only"):
+        carried_sources(["pretrain.training.trainer"])  # the trainer: numpy, yaml, deepspeed, ...
 
 
 def test_ebt_replay_buffer_is_left_out(built_exports):
@@ -461,7 +461,7 @@ def test_a_single_file_export_without_a_checksum_still_loads(built_exports, tmp_
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from pretrain.weights import EXPORT_CHECKSUM
+    from pretrain.models.weights import EXPORT_CHECKSUM
 
     model, _ = built_exports["gpt"]
     trained = TrainedModel(model=model, flavor="gpt-tiny", model_config=model.config, step=12,
@@ -507,7 +507,7 @@ def test_a_failing_export_leaves_out_untouched(run_exports, tmp_path):
 
 def test_init_from_must_name_a_hugging_face_directory(tmp_path):
     from pretrain.config import ConfigError, load_config
-    from pretrain.validation import validate
+    from pretrain.config.validation import validate
 
     config = tmp_path / "run.yaml"
     config.write_text(f"data:\n  path: {tmp_path}\ntrain:\n  max_steps: 1\n")

@@ -18,10 +18,10 @@ import pytest
 import trainer_runs as runs
 from test_launch_scripts import TORCHRUN_SIGNALS
 from data_pipeline.prepare import default_num_proc
-from pretrain import checkpoint
-from pretrain.checkpoint import layout
-from pretrain.runlock import lock_file
-from pretrain.train import EXIT_PREEMPTED
+from pretrain.training import checkpoint
+from pretrain.training.checkpoint import layout
+from pretrain.training.runlock import lock_file
+from pretrain.training.stopping import EXIT_PREEMPTED
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -250,13 +250,13 @@ def test_a_stop_signal_during_setup_stops_it_at_once(tmp_path, launcher, signum,
     else:
         assert line.startswith("error: stopped by SIGTERM while setting up, before the first step")
     assert stopped_within < 10, f"took {stopped_within:.0f} s to stop"  # preparing takes tens
-    # nor a run: only the run's lock file, which stays by design (pretrain.runlock)
+    # nor a run: only the run's lock file, which stays by design (pretrain.training.runlock)
     assert sorted(p.name for p in tmp_path.iterdir()) == [lock_file(tmp_path / "stopped").name, "corpus",
                                                           "prepared.lock"]
 
 
 def test_a_second_ctrl_c_aborts_but_the_same_keypress_twice_does_not(monkeypatch):
-    from pretrain.stopping import REPEAT_SIGINT_S, Aborted, StopSignals
+    from pretrain.training.stopping import REPEAT_SIGINT_S, Aborted, StopSignals
 
     stops = StopSignals.__new__(StopSignals)  # only the signal state; no handler installed
     stops.signum, stops.time, stops.rank, stops.looping = 0, 0.0, 0, True
@@ -273,7 +273,7 @@ def test_a_second_ctrl_c_aborts_but_the_same_keypress_twice_does_not(monkeypatch
 
 
 def test_before_the_first_step_a_stop_signal_raises_once():
-    from pretrain.stopping import StopSignals, StoppedInSetup
+    from pretrain.training.stopping import StopSignals, StoppedInSetup
 
     stops = StopSignals.__new__(StopSignals)
     stops.signum, stops.time, stops.rank, stops.looping = 0, 0.0, 0, False
@@ -492,7 +492,7 @@ def test_a_summary_that_cannot_be_written_is_one_line_after_the_final_checkpoint
 
 def test_the_output_root_check_leaves_nothing_behind(tmp_path):
     from pretrain.config import RunConfig
-    from pretrain.preflight import check_output_root
+    from pretrain.training.preflight import check_output_root
 
     check_output_root(RunConfig(output_root=str(tmp_path / "a" / "b"), run_name="run"))
     (tmp_path / "run").mkdir()
@@ -541,7 +541,7 @@ def test_a_lost_peer_is_one_line_naming_it_in_each_of_gloos_forms(message, what)
     peer's kernel had in flight; each is the line naming the peer (or the time-out), never None."""
     import socket
 
-    from pretrain.engine import lost_peer_line
+    from pretrain.training.engine import lost_peer_line
 
     peer = f"{socket.gethostbyaddr('127.0.0.1')[0]} (127.0.0.1)"
     line = lost_peer_line(RuntimeError(message), 15)
@@ -552,7 +552,7 @@ def test_a_lost_peer_is_one_line_naming_it_in_each_of_gloos_forms(message, what)
 SETUP_AND_GROUP_TIMEOUTS = """
 import json, sys, torch, torch.distributed.distributed_c10d as c10d
 from pretrain.config import load_config
-from pretrain.train import Trainer
+from pretrain.training.trainer import Trainer
 trainer = Trainer(load_config(sys.argv[1], sys.argv[2:]))
 trainer.setup()
 print(json.dumps([group._get_backend(torch.device("cpu")).options._timeout.total_seconds()

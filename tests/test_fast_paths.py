@@ -15,11 +15,11 @@ import torch
 
 from bench.gpu_cases import attention_kernels
 from pretrain.config import ConfigError, RunConfig
-from pretrain.engine import configure_device_math
-from pretrain.flops import mfu, peak_tflops
+from pretrain.config.precision import precisions
+from pretrain.config.validation import validate
 from pretrain.models import build, resolve
-from pretrain.precision import precisions
-from pretrain.validation import validate
+from pretrain.training.engine import configure_device_math
+from pretrain.training.flops import mfu, peak_tflops
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -85,7 +85,7 @@ def test_tf32_switch_applies_on_gpu_only():
 
 PAGE_FAULTS_PER_STEP = """
 import resource, torch
-from pretrain.engine import keep_freed_host_memory
+from pretrain.training.engine import keep_freed_host_memory
 def faults_per_step():
     start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(10):  # a 100 MB tensor made and freed, as a CPU step's logits are

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 import trainer_runs as runs
-from pretrain.train import Trainer
+from pretrain.training.trainer import Trainer
 
 READS = ("item", "tolist", "cpu", "numpy", "nonzero", "__bool__", "__float__", "__int__", "__index__")
 """Tensor methods that return a tensor's value (or a size that depends on it) to the host."""
@@ -28,7 +28,7 @@ EXPECTED = {
     ("__float__", "pretrain/train.py", "train_step"): 1,
     # the spike guard's verdict, once the norm is known and before the update: ZeRO asks once per
     # parameter group (here 1: optimizer.decay=all leaves S2's fixed alpha a buffer)
-    ("__float__", "pretrain/optim.py", "step"): 1,
+    ("__float__", "pretrain/training/optim.py", "step"): 1,
     # DeepSpeed's ZeRO-2: the gradient norm (per group) checked for inf/NaN, for the overflow skip and clipping
     ("__bool__", "deepspeed/runtime/utils.py", "is_invalid_grad_norm"): 2,
     ("tensor", "deepspeed/runtime/utils.py", "mask_nan_or_inf_with_val_inplace"): 1,

@@ -165,7 +165,7 @@ def test_sbatch_one_task_per_gpu(slurm_env, gpus):
     with the job's CPUs per task; each task takes its ranks from Slurm's variables (not from rank
     variables the submitting shell left behind) and its own GPU, whether it sees the node's four
     (--gpus-per-node) or only its own one (--gpus-per-task=1)."""
-    from pretrain.engine import distributed_env, gpu_index
+    from pretrain.training.engine import distributed_env, gpu_index
 
     env, record = slurm_env
     env.update({"TASK_PER_GPU": "1", "SLURM_NTASKS": "8", "SLURM_NTASKS_PER_NODE": "4",

@@ -15,14 +15,14 @@ import torch
 import torch.nn.functional as F
 
 from pretrain.models import build, resolve
+from pretrain.models import replay
 from pretrain.models.blocks import token_losses
 from pretrain.models.ebt import EBT, EBTConfig
 from pretrain.models.ebt_attention import two_stream_attention
 from pretrain.models.ebt_descent import EnergyDescent, stream_attention
 from pretrain.models.llama import apply_rotary, causal_attention, rotary_tables
-from pretrain.models import replay
 from pretrain.models.replay import ReplayStore, replay_store_bytes
-from pretrain.weights import load_weights
+from pretrain.models.weights import load_weights
 
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():

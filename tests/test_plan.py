@@ -12,12 +12,13 @@ import torch
 
 from bench.memory import peak_allocated_bytes
 from pretrain.config import load_config
-from pretrain.engine import deepspeed_config
+from pretrain.config.precision import precisions, resolve_precision
 from pretrain.models import build, resolve
 from pretrain.models.ebt_attention import default_chunks
-from pretrain.plan import (GIB, activation_bytes, gathered_parameters, hand_off_gradients, largest_fitting,
-                           main, make_plan, micro_batch_pass, model_state_bytes)
-from pretrain.precision import precisions, resolve_precision
+from pretrain.plan import main
+from pretrain.training.engine import deepspeed_config
+from pretrain.training.planner import (GIB, activation_bytes, gathered_parameters, hand_off_gradients,
+                                       largest_fitting, make_plan, micro_batch_pass, model_state_bytes)
 
 MICRO_BATCH = 4
 

@@ -13,15 +13,15 @@ import yaml
 
 from numerics import assert_rounding_close
 from pretrain.config import ConfigError, load_config
-from pretrain.engine import deepspeed_config
+from pretrain.config.precision import precisions, resolve_precision
+from pretrain.config.validation import validate
 from pretrain.models import build, resolve
 from pretrain.models.common import KVSlot
 from pretrain.models.descent_plumbing import StepSettings
 from pretrain.models.ebt_attention import TwoStreamAttention
 from pretrain.models.nrgpt import EnergyAttention, GeluAndSlope, NRGPTConfig
-from pretrain.plan import make_plan, model_state_bytes
-from pretrain.precision import precisions, resolve_precision
-from pretrain.validation import validate
+from pretrain.training.engine import deepspeed_config
+from pretrain.training.planner import make_plan, model_state_bytes
 
 BF16_EPS = torch.finfo(torch.bfloat16).eps
 
@@ -228,7 +228,7 @@ def resumed_state(config, overrides: list[str]) -> tuple[dict, dict]:
     from its checkpoint, before any step. A world of one in this process, as `runs.command_here`
     runs the trainer."""
     import trainer_runs as runs
-    from pretrain.train import Trainer
+    from pretrain.training.trainer import Trainer
 
     cfg = load_config(config, overrides)
     validate(cfg, 1, has_gpu=False)

@@ -14,10 +14,10 @@ import torch.nn as nn
 
 import trainer_runs as runs
 from pretrain.config import ConfigError, OptimizerSection, load_config
+from pretrain.config.validation import validate
 from pretrain.models import build, resolve
 from pretrain.models.ebt import EBT, EBTConfig
-from pretrain.optim import DECAY_SETS, param_groups
-from pretrain.validation import validate
+from pretrain.training.optim import DECAY_SETS, param_groups
 
 
 @pytest.fixture(autouse=True, scope="module")

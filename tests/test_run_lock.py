@@ -15,7 +15,7 @@ import pytest
 
 import trainer_runs as runs
 from conftest import run_at_once
-from pretrain.runlock import CHECK_WAIT_S, RunLock, hold_run, lock_file
+from pretrain.training.runlock import CHECK_WAIT_S, RunLock, hold_run, lock_file
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

@@ -242,7 +242,7 @@ def trained_run():
 
 def greedy_text(source, prompt: str, new_tokens: int, **logit_options) -> str:
     """The prompt and its greedy continuation by full recompute, over the tokenizer's ids."""
-    from pretrain.trained import load_trained
+    from pretrain.training.trained import load_trained
 
     trained = load_trained(source)
     tokenizer, model = trained.tokenizer, trained.model

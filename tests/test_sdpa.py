@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from pretrain.config import ConfigError, RunConfig, describe_attention, from_dict
+from pretrain.config.precision import precisions
+from pretrain.config.validation import validate
 from pretrain.models import resolve
 from pretrain.models.registry import FLAVORS
 from pretrain.models.sdpa import sdpa_kernel
-from pretrain.precision import precisions
-from pretrain.validation import validate
 
 H100, A100, RTX4090, V100 = (9, 0), (8, 0), (8, 9), (7, 0)
 

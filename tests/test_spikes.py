@@ -11,8 +11,8 @@ import torch
 import trainer_runs as runs
 from pretrain.config import TrainSection
 from pretrain.models import FAMILIES
-from pretrain.optim import SpikeGuard
-from pretrain.summary import TrainState
+from pretrain.training.optim import SpikeGuard
+from pretrain.training.summary import TrainState
 
 
 def judged(guard: SpikeGuard, state: TrainState, loss: float, grad_norm: float) -> bool:

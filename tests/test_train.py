@@ -14,7 +14,7 @@ import torch
 
 import trainer_runs as runs
 from pretrain.config import load_config
-from pretrain.evaluate import PROMPT_END
+from pretrain.training.evaluation import PROMPT_END
 
 MATRIX = runs.matrix_cells()
 
@@ -255,8 +255,8 @@ def test_a_micro_batch_drops_the_logits_before_its_backward(tmp_path):
     import deepspeed
 
     from bench.gpu_cases import synthetic_batches
-    from pretrain.engine import distributed_env
-    from pretrain.train import Trainer
+    from pretrain.training.engine import distributed_env
+    from pretrain.training.trainer import Trainer
 
     micro_batch, vocab = 4, 512
     cfg = load_config("configs/tiny/gpt.yaml", [

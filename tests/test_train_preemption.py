@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import trainer_runs as runs
-from pretrain.train import EXIT_PREEMPTED
+from pretrain.training.stopping import EXIT_PREEMPTED
 
 
 @pytest.fixture(scope="module")

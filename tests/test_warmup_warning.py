@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import trainer_runs as runs
 from pretrain.config import load_config
-from pretrain.validation import validate
+from pretrain.config.validation import validate
 
 
 def warnings(stderr: str) -> list[str]:

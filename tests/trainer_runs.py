@@ -268,8 +268,8 @@ def resume_matrix() -> subprocess.CompletedProcess:
 def _matrix_worker() -> None:
     sys.path.insert(0, str(REPO))
     from pretrain.config import load_config
-    from pretrain.validation import validate
-    from pretrain.train import run
+    from pretrain.config.validation import validate
+    from pretrain.training.trainer import run
 
     config_file = base_config_file()
     for family, stage in matrix_cells():

@@ -10,12 +10,12 @@ import torch
 from common.fileio import read_json, sha256_hex
 from pretrain.hf import native
 from pretrain.models import family_name
-from pretrain.weights import LoadError, load_weights, read_safetensors
+from pretrain.models.weights import LoadError, load_weights, read_safetensors
 
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 RUN_FILE = "training_run.json"
-"""Written by the export (`pretrain.export_hf`): what the directory was made from."""
+"""Written by the export (`pretrain.training.export_hf`): what the directory was made from."""
 CHECKSUM_FILE = "SHA256SUMS"
 """Written by the export: the digests of every other file, in `sha256sum`'s format, so that a copy
 moved between machines or hubs is checked with `sha256sum -c SHA256SUMS` in the directory; loading

@@ -57,7 +57,7 @@ class FamilySpec:
     rank_states: Callable[[nn.Module], dict[str, Any]] = no_rank_states
     """A model's training state outside its module state, kept per rank: name -> an object with
     `state_dict()`, `load_state_dict(state, device)` and the dealing of saved ranks' states after a
-    world-size change (`dealt_from`, `deal`: the protocol `pretrain.checkpoint.RankState`); each
+    world-size change (`dealt_from`, `deal`: the protocol `pretrain.training.checkpoint.RankState`); each
     checkpoint saves it in a file per rank and name."""
     rank_state_bytes: Callable[[Any], int] = no_rank_state_bytes
     """Device bytes of one rank's `rank_states` for a config, which the memory planner adds."""

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pretrain.metrics import pyplot
 from pretrain.scaling.analysis import LAWS
+from pretrain.training.metrics import pyplot
 
 TB_STEPS_PER_DECADE = 1000
 """A point at x is logged at step round(1000 * log10 x)."""

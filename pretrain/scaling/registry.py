@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from common.fileio import read_json
-from pretrain.summary import SUMMARY_FILE, RunRecord
+from pretrain.training.summary import SUMMARY_FILE, RunRecord
 
 CONFIG_FILE = "config.yaml"
 SWEEP_FILE = "sweep.json"

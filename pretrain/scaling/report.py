@@ -30,7 +30,7 @@ from pretrain.scaling.analysis import (EXPONENTS, LAWS, Comparison, FamilyAnalys
 from pretrain.scaling.fit import MIN_POINTS, FitResult, TooFewPoints, fit_power_law, rate_difference
 from pretrain.scaling.joint import percentile_interval
 from pretrain.scaling.registry import Registry, find_run_dirs, load_registry
-from pretrain.summary import RunRecord
+from pretrain.training.summary import RunRecord
 
 METRICS = ("best_val_loss", "final_val_loss", "final_train_loss")
 """RunRecord fields that can be fitted; any numeric key of summary.json can be, too."""

@@ -23,8 +23,8 @@ from typing import Any
 import yaml
 
 from common.fileio import atomic_write_text, read_json
+from pretrain.config.typed import load_yaml, parse_override, read_typed
 from pretrain.scaling.registry import SUMMARY_FILE, SWEEP_FILE
-from pretrain.typed import load_yaml, parse_override, read_typed
 
 
 @dataclass
@@ -344,7 +344,7 @@ def _check_run_length(cfg, where: str) -> None:
     """Refuse a generated run that would not train as asked: a token budget below one optimizer
     step (the trainer would still take a whole step), or one that ends before its warmup does
     (the learning rate would never peak). `expand` checks every run before any starts."""
-    from pretrain.validation import short_warmup
+    from pretrain.config.validation import short_warmup
 
     if cfg.train.max_tokens < cfg.tokens_per_step:
         raise ValueError(f"{where}: the budget of {cfg.train.max_tokens:,} tokens is less than one optimizer "

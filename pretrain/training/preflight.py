@@ -10,9 +10,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from pretrain.checkpoint import CheckpointManager
 from pretrain.config import ConfigError, RunConfig, batch_split, model_config
 from pretrain.models import padded_vocab
+from pretrain.training.checkpoint import CheckpointManager
 
 
 def preflight(cfg: RunConfig, checkpoints: CheckpointManager, checking_only: bool = False) -> None:

@@ -41,15 +41,15 @@ import torch
 import torch.distributed as dist
 
 from common.fileio import amount, atomic_write_text, mount_point
-from pretrain.checkpoint.layout import (LATEST, MARKER, CheckpointError, Marker, check_intact,
-                                        find_checkpoint, is_complete, list_checkpoints, prune, rank_state_file,
-                                        record_files, state_file, tag_for, warn)
-from pretrain.checkpoint.universal import ensure_universal, needs_universal
-from pretrain.checkpoint.writes import WriteFailure, recorded_writes
 from pretrain.config import REPLACED_SUFFIX, ConfigError, RunConfig, get_key, model_config
-from pretrain.engine import seed_process
 from pretrain.models import padded_vocab
-from pretrain.runlock import RunLock, hold_run
+from pretrain.training.checkpoint.layout import (LATEST, MARKER, CheckpointError, Marker, check_intact,
+                                                 find_checkpoint, is_complete, list_checkpoints, prune, rank_state_file,
+                                                 record_files, state_file, tag_for, warn)
+from pretrain.training.checkpoint.universal import ensure_universal, needs_universal
+from pretrain.training.checkpoint.writes import WriteFailure, recorded_writes
+from pretrain.training.engine import seed_process
+from pretrain.training.runlock import RunLock, hold_run
 
 
 def check_same_model(cfg: RunConfig, tag_dir: Path, marker: Marker) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pretrain.checkpoint.layout import UNIVERSAL, CheckpointError, warn
+from pretrain.training.checkpoint.layout import UNIVERSAL, CheckpointError, warn
 
 
 def needs_universal(saved_world: int, saved_stage: int, world_size: int, zero_stage: int,

@@ -6,7 +6,7 @@ checkpointing's recomputation not). This module holds the per-device peak table 
 arithmetic around it."""
 from __future__ import annotations
 
-from pretrain.precision import Precision
+from pretrain.config.precision import Precision
 
 PEAK_BF16_TFLOPS = {
     "GB200": 2500.0,

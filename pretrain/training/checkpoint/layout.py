@@ -1,5 +1,5 @@
 """Where a run's checkpoints are and whether one can be trusted: the directory layout (see
-`pretrain.checkpoint`), the completion marker, finding the checkpoint to resume from, and the
+`pretrain.training.checkpoint`), the completion marker, finding the checkpoint to resume from, and the
 size and checksum record of every file (written by all ranks together, checked on resume)."""
 from __future__ import annotations
 

@@ -29,12 +29,11 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from common.fileio import atomic_directory, markdown_table, read_json, sha256_hex
-from pretrain.evaluate import results_file
 from pretrain.hf import native
 from pretrain.hf.load import CHECKSUM_FILE, CODE_PREFIX, RUN_FILE
 from pretrain.models import build, family_name, family_spec, model_class
-from pretrain.summary import SUMMARY_FILE
-from pretrain.trained import TrainedModel, inside_trainer_directory, is_run_directory
+from pretrain.training.summary import SUMMARY_FILE
+from pretrain.training.trained import TrainedModel, inside_trainer_directory, is_run_directory, results_file
 
 REMOTE_MODEL_TYPE = "pretrain_{family}"
 """model_type of the exports that carry their code."""

@@ -22,12 +22,12 @@ import torch
 import torch.nn as nn
 
 from common.fileio import read_json
-from pretrain import checkpoint
 from pretrain.config import to_dict
 from pretrain.hf.load import read_export, tensors_for
 from pretrain.models import FamilySpec, build, family_name, family_spec, resolve
-from pretrain.summary import SUMMARY_FILE
-from pretrain.weights import LoadError, load_weights, read_safetensors
+from pretrain.models.weights import LoadError, load_weights, read_safetensors
+from pretrain.training import checkpoint
+from pretrain.training.summary import SUMMARY_FILE
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 RUN_ENTRIES = ("ckpt", "tb", "config.yaml", SUMMARY_FILE)
@@ -183,3 +183,20 @@ def load_trained(source: str | Path, device: str | torch.device = "cpu", dtype: 
     manifest = manifest or _read_manifest(run_config.get("data", {}).get("path"))
     return TrainedModel(model=model, flavor=flavor, model_config=model_cfg, step=step, source=path,
                         run_config=run_config, manifest=manifest)
+
+
+def run_dir_of(checkpoint_or_file: Path) -> Path | None:
+    """The run directory a checkpoint belongs to (RUN/ckpt/<tag>); None for an export."""
+    if checkpoint_or_file.is_dir() and checkpoint_or_file.parent.name == "ckpt":
+        return checkpoint_or_file.parent.parent
+    return None
+
+
+def results_file(checkpoint_or_file: Path) -> Path:
+    """Where `python -m pretrain.evaluate` writes its results JSON without --out:
+    RUN_DIR/downstream/<tag>.json for a run's checkpoint (the model card of an export shows it),
+    next to an export otherwise."""
+    run_dir = run_dir_of(checkpoint_or_file)
+    if run_dir is None:
+        return checkpoint_or_file.with_suffix(".downstream.json")
+    return run_dir / "downstream" / f"{checkpoint_or_file.name}.json"

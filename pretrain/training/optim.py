@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from pretrain.config import DECAY_SETS, ConfigError, OptimizerSection, ScheduleSection, TrainSection, ZeroSection
 from pretrain.models import FamilySpec
-from pretrain.summary import TrainState
+from pretrain.training.summary import TrainState
 
 
 def undecayed_names(model: nn.Module, decay_set: str) -> set[str]:

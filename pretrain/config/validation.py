@@ -17,7 +17,7 @@ import yaml
 from pretrain.config import (DECAY_SETS, RESUME_MODES, ConfigError, RunConfig, ScheduleKind, SpikeSkipping,
                              TrainingDevice, ZeroStage, batch_split, get_key, gpu_attention, run_name_problem,
                              typed_model_overrides)
-from pretrain.precision import PRECISION_SETTINGS
+from pretrain.config.precision import PRECISION_SETTINGS
 
 
 def validate(cfg: RunConfig, world_size: int, has_gpu: bool) -> None:

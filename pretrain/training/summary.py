@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from common.fileio import atomic_write_text
-from pretrain.typed import read_typed
+from pretrain.config.typed import read_typed
 
 SUMMARY_FILE = "summary.json"
 

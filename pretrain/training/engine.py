@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from pretrain.config import ConfigError, RunConfig, batch_split
-from pretrain.precision import Precision
+from pretrain.config.precision import Precision
 
 
 def distributed_env() -> tuple[int, int, int]:

@@ -20,8 +20,8 @@ from torch.utils.tensorboard.summary import hparams as hparams_summary
 from tqdm import tqdm
 
 from common.fileio import write_failure_reason
-from pretrain.flops import achieved_tflops, mfu
-from pretrain.summary import TrainState
+from pretrain.training.flops import achieved_tflops, mfu
+from pretrain.training.summary import TrainState
 
 
 @dataclass

@@ -2,7 +2,7 @@
 `key.sub=value` command-line overrides, checked completely before any work starts.
 
     cfg = load_config("configs/tiny/gpt.yaml", ["train.max_steps=50", "zero.stage=3"])
-    validate(cfg, world_size=2, has_gpu=False)   # pretrain.validation: can it run here
+    validate(cfg, world_size=2, has_gpu=False)   # pretrain.config.validation: can it run here
 
 Every mistake (unknown key, wrong type, impossible combination) raises `ConfigError` with one
 line naming the key and where it came from. `engine.deepspeed_config` turns the tree into
@@ -20,8 +20,8 @@ from typing import Any, Literal
 
 import yaml
 
-from pretrain.precision import PrecisionSetting, resolve_precision
-from pretrain.typed import YAMLError, load_yaml, parse_override, read_typed
+from pretrain.config.precision import PrecisionSetting, resolve_precision
+from pretrain.config.typed import YAMLError, load_yaml, parse_override, read_typed
 
 RESUME_MODES = ("auto", "never", "restart")
 """`resume` is one of these or a path to a run directory / checkpoint."""
@@ -192,7 +192,7 @@ class TrainSection:
     spike_sigmas: float = 6.0
     """How many standard deviations above the rolling mean make a spike."""
     peak_tflops: float | None = None
-    """Peak dense TFLOP/s of one device for MFU; None looks the device up in pretrain.flops."""
+    """Peak dense TFLOP/s of one device for MFU; None looks the device up in pretrain.training.flops."""
     tf32: bool = True
     """On GPU, let float32 matmuls use TF32 tensor cores (fp32 runs, and the float32 parts of
     bf16 runs); no effect on CPU."""
