@@ -352,7 +352,7 @@ def test_every_package_the_benchmark_imports_is_on_the_gpu_machine(tiny_report):
     DeepSpeed's tabulate). The carried wheels are the versions this environment has."""
     report, _ = tiny_report
     imported = report["imported"]  # what the workers imported, functions that ran included
-    assert "pretrain.plan" in imported["repository"] and "torch" in imported["packages"]
+    assert "pretrain.training.planner" in imported["repository"] and "torch" in imported["packages"]
     packages = third_party_imports(["bench.gpu", *imported["repository"]], set(imported["packages"]))
     assert {"torch", "deepspeed", "numpy", "yaml", "xxhash"} <= set(packages)
     assert missing_on_the_gpu_machine(packages) == {}
