@@ -23,9 +23,9 @@ READS = ("item", "tolist", "cpu", "numpy", "nonzero", "__bool__", "__float__", "
 
 EXPECTED = {
     # the trainer's per-step decisions: the step's loss, non-finite count and stop flag, all-reduced
-    ("tolist", "pretrain/train.py", "train_step"): 1,
+    ("tolist", "pretrain/training/trainer.py", "train_step"): 1,
     # the step's gradient norm for its record (DeepSpeed has just waited for it)
-    ("__float__", "pretrain/train.py", "train_step"): 1,
+    ("__float__", "pretrain/training/trainer.py", "train_step"): 1,
     # the spike guard's verdict, once the norm is known and before the update: ZeRO asks once per
     # parameter group (here 1: optimizer.decay=all leaves S2's fixed alpha a buffer)
     ("__float__", "pretrain/training/optim.py", "step"): 1,
