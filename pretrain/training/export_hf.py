@@ -33,7 +33,8 @@ from pretrain.hf import native
 from pretrain.hf.load import CHECKSUM_FILE, CODE_PREFIX, RUN_FILE
 from pretrain.models import build, family_name, family_spec, model_class
 from pretrain.training.summary import SUMMARY_FILE
-from pretrain.training.trained import TrainedModel, inside_trainer_directory, is_run_directory, results_file
+from pretrain.training.trained import (TrainedModel, inside_trainer_directory, is_run_directory, results_file,
+                                      run_dir_of)
 
 REMOTE_MODEL_TYPE = "pretrain_{family}"
 """model_type of the exports that carry their code."""
@@ -309,8 +310,8 @@ def save_tokenizer(manifest: dict, out: Path, block_size: int) -> None:
 
 def _run_summary(trained: TrainedModel) -> dict | None:
     """The run's summary.json when it describes the exported checkpoint's step."""
-    tag_dir = trained.source
-    file = tag_dir.parent.parent / SUMMARY_FILE if tag_dir.parent.name == "ckpt" else None
+    run_dir = run_dir_of(trained.source)
+    file = run_dir / SUMMARY_FILE if run_dir is not None else None
     if file is None or not file.is_file():
         return None
     summary = read_json(file)
