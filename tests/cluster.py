@@ -190,6 +190,9 @@ class Cluster:
             "JobRequeue": 1,
             "ReturnToService": 2,
             "MinJobAge": 600,
+            # a requeued job becomes eligible after cred_expire; only the backfill scheduler's
+            # periodic pass starts it then (default every 30 s)
+            "SchedulerParameters": "bf_interval=1",
         }
         text = "\n".join(f"{key}={value}" for key, value in settings.items())
         text += "\n" + "\n".join(node_lines)

@@ -160,20 +160,23 @@ def test_a_preempted_job_checkpoints_requeues_and_resumes_exactly(slurm, shared,
 
 
 def test_a_time_limit_warning_checkpoints_requeues_and_resumes_exactly(slurm, shared, reference_two):
-    """The time limit's warning, `--signal=B:USR1@70` with a 2-minute `--time`, in the default
-    mode (one torchrun per node): checkpoint, requeue (restart 1), resume, every step's loss
-    equal to the uninterrupted one-host run's. Checkpoints stall (fault.checkpoint_stall_file)
-    until the warning has arrived, so that the job cannot finish first; the warning comes 50-80 s
-    into the job, after its first checkpoint has begun (a warning during the setup would stop
-    the job before anything is saved, and its requeue would start afresh)."""
+    """The time limit's warning, `--signal=B:USR1@600`, in the default mode (one torchrun per
+    node): checkpoint, requeue (restart 1), resume, every step's loss equal to the uninterrupted
+    one-host run's. The job starts with 30 minutes; once its first checkpoint is being written
+    (checkpoints stall on fault.checkpoint_stall_file until the warning has arrived, so the job
+    cannot finish first, and a warning during the setup would stop it before anything is saved)
+    its limit is cut to 10 minutes, inside the warning's 600 s, and slurmctld sends the warning
+    on its next periodic check (every 30 s)."""
     stall = shared / "stall-time-limited"
     stall.touch()
-    job = submit(slurm, shared, "--nodes=2", "--time=2", "--signal=B:USR1@70",
+    job = submit(slurm, shared, "--nodes=2", "--time=30", "--signal=B:USR1@600",
                  overrides=["run_name=time-limited", f"fault.checkpoint_stall_file={stall}"])
-    # slurmctld sends a time limit's signal on its periodic check (every 30 s)
-    wait_until(lambda: "got USR1" in log(shared, job), "the time limit's warning", timeout=150)
-    # the requeued job keeps its 1-minute limit and would be warned again: room for the rest
+    first = shared / "runs" / "time-limited" / "ckpt" / "step_00000004"
+    wait_until(lambda: (first / "mp_rank_00_model_states.pt").exists(), "the first checkpoint's files")
     subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=10"], env=slurm.env, check=True)
+    wait_until(lambda: "got USR1" in log(shared, job), "the time limit's warning", timeout=60)
+    # the requeued job keeps its limit and would be warned again at once: back to 30 minutes
+    subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=30"], env=slurm.env, check=True)
     stall.unlink()
     fields = slurm.wait_job(job, 240, states=("COMPLETED", "FAILED", "CANCELLED"))
     output = log(shared, job)
