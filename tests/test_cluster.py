@@ -184,7 +184,8 @@ def test_a_time_limit_warning_checkpoints_requeues_and_resumes_exactly(slurm, sh
     assert fields["Restarts"] == "1"
     assert f"requeueing job {job}" in output and "restart 1" in output
     node0 = log(shared, job, 0)
-    assert "saved checkpoint" in node0 and re.search(r"resuming at step \d+", node0)
+    assert re.search(r"stopping at step \d+ on SIGUSR1: checkpoint saved, exit code 75", node0), node0[-3000:]
+    assert re.search(r"resuming at step \d+", node0)
     no_traceback(node0 + log(shared, job, 1))
     assert_same_losses(losses(shared / "runs" / "time-limited"), reference_two)
 

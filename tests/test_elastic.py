@@ -1,5 +1,5 @@
-"""Multi-node launch, preemption through torchrun, and resuming on another world size, ZeRO
-stage or global batch, on one CPU machine (gloo, loopback, at most 2 processes).
+"""Resuming on another world size, ZeRO stage or global batch, on one CPU machine (gloo,
+loopback, at most 2 processes).
 
 One chain of real runs, every run compared with the uninterrupted 2-process ZeRO-2 run `ref`:
 
@@ -11,8 +11,8 @@ One chain of real runs, every run compared with the uninterrupted 2-process ZeRO
     batch4   2 processes, global batch 4, from ref's step 8
 
 The runs of one launch share their processes (tests/elastic_worker.py, which also records the
-windows each run trained on); a launch per world size makes three. The two-"node" test runs
-`launch/torchrun.sh` twice per node, with a SIGUSR1 to both torchrun agents in between.
+windows each run trained on); a launch per world size makes three. Two nodes preempted through
+their torchrun agents are tests/test_cluster.py's, on real namespace nodes.
 
 What "the same loss" means after a change of world size or ZeRO stage: the first resumed step
 sees the same weights, optimizer state and sample set as the uninterrupted run, but its
@@ -25,17 +25,13 @@ from __future__ import annotations
 
 import collections
 import json
-import os
-import signal
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 import trainer_runs as runs
-from pretrain.training.stopping import EXIT_PREEMPTED
 
 N_STEPS, INTERVAL = 32, 8
 SETTINGS = [f"train.max_steps={N_STEPS}", f"checkpoint.interval={INTERVAL}", "model.flavor=gpt-tiny"]
@@ -205,87 +201,3 @@ def test_which_checkpoints_go_through_the_universal_form(tmp_path, saved, now, e
             checkpoint.needs_universal(*saved, *now, tag_dir)
     else:
         assert checkpoint.needs_universal(*saved, *now, tag_dir) is expected
-
-
-# --- two "nodes" on one machine, preempted through torchrun --------------------------------
-
-NODE_ISOLATION = ["unshare", "--mount", "--map-root-user", "sh", "-c",
-                  'mount -t tmpfs tmpfs /dev/shm && exec "$@"', "node"]
-"""Each simulated node gets its own /dev/shm (and TMPDIR), as separate machines have:
-streaming's shared memory and the loader's registration lock are per machine, and two nodes'
-local leaders sharing them would collide (FileExistsError) or wait for each other forever."""
-
-
-def node_isolation_works() -> bool:
-    try:
-        return subprocess.run([*NODE_ISOLATION, "true"], capture_output=True).returncode == 0
-    except FileNotFoundError:
-        return False
-
-
-def start_nodes(name: str, port: int) -> list[subprocess.Popen]:
-    """`launch/torchrun.sh` once per node, as slurm.sbatch starts it: static rendezvous on
-    127.0.0.1, one process per node."""
-    procs = []
-    for node in (0, 1):
-        tmp = runs.workspace() / f"{name}-node{node}-tmp"
-        tmp.mkdir(exist_ok=True)
-        env = runs.child_env(NNODES="2", NODE_RANK=str(node), NPROC_PER_NODE="1", MASTER_ADDR="127.0.0.1",
-                             MASTER_PORT=str(port), GRACE_SECONDS="60", TMPDIR=str(tmp), PYTHON=runs.PYTHON)
-        command = [*NODE_ISOLATION, "launch/torchrun.sh", str(runs.base_config_file()), *SETTINGS,
-                   f"run_name={name}"]
-        procs.append(subprocess.Popen(command, cwd=runs.REPO, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True, preexec_fn=runs.lower_priority))
-    return procs
-
-
-def finish(procs: list[subprocess.Popen]) -> list[tuple[int, str]]:
-    try:
-        outputs = [p.communicate(timeout=300)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                for pid in runs.process_tree(p.pid):
-                    os.kill(pid, signal.SIGKILL)
-                p.wait()
-    return [(p.returncode, out) for p, out in zip(procs, outputs)]
-
-
-def test_two_nodes_preempted_by_sigusr1_to_torchrun_then_rerun_equal_one_node(elastic):
-    """Two torchrun agents (node ranks 0 and 1) train with ZeRO-2. SIGUSR1 goes to the agents
-    only, as `scancel --signal=USR1` delivers it to each node's job step: torchrun forwards it,
-    the trainers finish the step, save and exit with the requeue code, and torchrun itself exits
-    1. The same two commands then finish the run; every step's loss equals the single-node
-    2-process run's, bit for bit (same ranks, same samples per rank, same reductions)."""
-    if not node_isolation_works():
-        pytest.skip("needs `unshare --mount --map-root-user` to give each simulated node its own /dev/shm")
-    name, port = "two-nodes", runs.free_port()
-    procs = start_nodes(name, port)
-    marker = runs.run_dir(name) / "ckpt" / f"step_{INTERVAL:08d}" / "complete.json"
-    deadline = time.monotonic() + 240
-    while not marker.exists():
-        assert all(p.poll() is None for p in procs), f"a node ended early:\n{finish(procs)}"
-        assert time.monotonic() < deadline, "no checkpoint within 240 s"
-        time.sleep(0.005)
-    for p in procs:
-        p.send_signal(signal.SIGUSR1)  # the agent itself: its worker is in a session of its own
-    (code0, out0), (code1, out1) = finish(procs)
-    # each node's launcher exits with its trainer's code: checkpoint saved, requeue
-    assert (code0, code1) == (EXIT_PREEMPTED, EXIT_PREEMPTED), f"{out0[-3000:]}\n{out1[-3000:]}"
-    stops = [line for line in out0.splitlines() if line.startswith("stopping at step")]
-    assert len(stops) == 1 and stops[0].endswith(
-        f"on SIGUSR1: checkpoint saved, exit code {EXIT_PREEMPTED}; rerun the same command to resume")
-    stopped = int(stops[0].split()[3])
-    assert INTERVAL < stopped < N_STEPS, "stopped too late to leave steps to resume"
-    ckpt = runs.run_dir(name) / "ckpt"
-    assert (ckpt / f"step_{stopped:08d}" / "complete.json").exists()
-    assert (ckpt / "latest").read_text() == f"step_{stopped:08d}"
-    assert not (runs.run_dir(name) / "summary.json").exists()
-
-    (code0, out0), (code1, out1) = finish(start_nodes(name, runs.free_port()))
-    assert (code0, code1) == (0, 0), f"{out0[-3000:]}\n{out1[-3000:]}"
-    assert f"resuming at step {stopped}" in out0
-    losses, reference = runs.scalars(name, "train/loss"), runs.scalars("ref", "train/loss")
-    assert sorted(losses) == sorted(reference) == list(range(1, N_STEPS + 1))
-    for step in reference:
-        assert losses[step] == reference[step], f"step {step}: {losses[step]!r} != {reference[step]!r}"
