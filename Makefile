@@ -19,9 +19,11 @@ $(STAMP): requirements.txt requirements-nodeps.txt
 demo: $(STAMP)
 	$(PY) -m pretrain.demo
 
+# Two pytest-xdist workers, a test file (or a group of files, tests/conftest.py) at a time: the
+# Slurm cluster's tests and the failure tests mostly wait, and the other worker fills the cores.
 test: $(STAMP)
 	$(VENV)/bin/lint-imports --no-cache
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 --dist loadgroup tests
 
 bench-data: $(STAMP)
 	$(PY) -m bench.data

@@ -15,6 +15,29 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    # Each pytest-xdist worker (and what it starts) gets its share of the cores: torch's OpenMP
+    # threads spin while they wait, and two workers each as wide as the machine slow each other.
+    os.environ.setdefault("OMP_NUM_THREADS",
+                          str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+
+SHARED_WORK = {
+    "resume matrix": {"test_export.py", "test_export_hf.py", "test_recipes.py", "test_sample.py",
+                      "test_train.py", "test_train_preemption.py"},
+}
+"""Test files that read one piece of work made once per pytest process (`trainer_runs.resume_matrix`,
+two minutes of training): `make test`'s pytest-xdist workers run each group's files in one worker."""
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks
+def pytest_collection_modifyitems(items):
+    """Units of work for `--dist loadgroup`: a test file (its module fixtures are made once), or
+    the files of a `SHARED_WORK` group. Each unit runs whole, in order, in one worker."""
+    group_of = {name: group for group, names in SHARED_WORK.items() for name in names}
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(group_of.get(item.path.name, item.path.name)))
+
+
 AWKWARD_DOCS = [
     "A web page that mentions <|endoftext|> in its text.",
     "  leading and trailing whitespace  \n\n",
