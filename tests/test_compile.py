@@ -45,6 +45,11 @@ VARIANTS = {
     "nrgpt step checkpointing": ("nrgpt-tiny", {"activation_checkpointing": "step"}, True),
     "gpt dropout, block checkpointing": ("gpt-tiny", {"dropout": 0.1, "activation_checkpointing": "block"}, False),
     "transformer_pp block checkpointing": ("transformer_pp-tiny", {"activation_checkpointing": "block"}, False),
+    "ebt S1 first-order": ("ebt-tiny", {"energy_gradient": "first_order"}, True),
+    "ebt S1 first-order, step-conditioned (ebt-s1-small's stream)": (
+        "ebt-tiny", {"energy_gradient": "first_order", "time_embed": True, "reuse_observed_stream": False}, False),
+    "ebt first-order block checkpointing": ("ebt-tiny", {"energy_gradient": "first_order",
+                                                         "activation_checkpointing": "block"}, False),
 }
 """Other code paths of the compiled families: (flavor, overrides, return_energies as the trainer's
 logging steps ask)."""

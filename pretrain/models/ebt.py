@@ -303,7 +303,12 @@ class EBT(LanguageModel):
         if replay:
             all_idx, all_targets, candidate = self.replay_store.extend(idx, targets, candidate)
         learning = self.training and torch.is_grad_enabled()
-        anchor = torch.zeros(0, device=idx.device, requires_grad=True) if learning else None
+        # ZeRO-3's hook order (see `EnergyDescent.forward`); a compiled forward has none to keep (its
+        # backward is one node that returns every gradient at its end), and dynamo cannot make a
+        # tensor that requires grad inside its graph
+        anchor = None
+        if learning and not torch.compiler.is_compiling():
+            anchor = torch.zeros(0, device=idx.device, requires_grad=True)
         noise_std = cfg.langevin_noise_std if self.training else self.eval_noise_std()
         with contextlib.nullcontext() if self.training else self.eval_noise_rng(noise_std, idx.device):
             result = self.descent(

@@ -81,12 +81,14 @@ class SecondOrderRMSNorm(torch.autograd.Function):
     `RMSNormGradient`, whose own backward is the second derivative: about 50 ATen ops per call
     through the three passes of a training descent, against about 70 for autograd's graph of
     the composite (on a GPU too: torch's fused backward kernel is only taken without
-    create_graph). `torch._fused_rms_norm` is what F.rms_norm runs on a GPU; it also gives r."""
+    create_graph). `aten._fused_rms_norm` is what F.rms_norm runs on a GPU; it also gives r."""
 
     @staticmethod
     def forward(ctx, x, weight, eps):
         ctx.set_materialize_grads(False)  # r's gradient is never formed: no zeros for it
-        y, r = torch._fused_rms_norm(x, (x.size(-1),), weight, eps)  # r in float32 for bf16 x
+        # r in float32 for bf16 x; the op through torch.ops, which dynamo traces (it skips the
+        # private torch._fused_rms_norm binding: a graph break in a compiled EBT)
+        y, r = torch.ops.aten._fused_rms_norm(x, [x.size(-1)], weight, eps)
         # r as [..., 1] whatever shape the device's kernel gives it: a flat [rows] would
         # broadcast against the width instead of the rows
         r = r.view(*x.shape[:-1], 1)
