@@ -108,14 +108,19 @@ def test_freed_host_memory_is_reused_instead_of_faulted_in_again():
 
 
 def test_compile_is_refused_for_families_with_double_backward():
+    """Refused for EBT's autograd energy gradient, with the setting that compiles it."""
     cfg = RunConfig(run_name="run")
     cfg.data.path = "data"
     cfg.train.max_steps = 1
     cfg.model.flavor, cfg.model.compile = "gpt-tiny", "aot_eager"
     validate(cfg, world_size=1, has_gpu=False)
     cfg.model.flavor = "ebt-tiny"
-    with pytest.raises(ConfigError, match="model.compile.*double backward"):
+    with pytest.raises(ConfigError, match="model.compile.*double backward.*set model.overrides.energy_gradient: "
+                                          "first_order, or use 'off'$"):
         validate(cfg, world_size=1, has_gpu=False)
+    cfg.model.overrides = {"energy_gradient": "first_order"}
+    validate(cfg, world_size=1, has_gpu=False)
+    cfg.model.overrides = {}
     cfg.model.flavor, cfg.model.compile = "gpt-tiny", "no-such-backend"
     with pytest.raises(ConfigError, match="model.compile"):
         validate(cfg, world_size=1, has_gpu=False)

@@ -207,7 +207,12 @@ def take_legacy_replay_buffers(model: EBT, state_dict: dict, prefix: str, *_) ->
 
 
 class EBT(LanguageModel):
-    needs_double_backward = True
+    @staticmethod
+    def compile_refusal(config: EBTConfig) -> str | None:
+        if config.energy_gradient == "first_order":
+            return None
+        return ("its energy gradient (energy_gradient='autograd') differentiates inside the forward (double "
+                "backward), which torch.compile does not support; set model.overrides.energy_gradient: first_order")
 
     def __init__(self, config: EBTConfig):
         super().__init__()
