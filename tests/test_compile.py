@@ -1,7 +1,7 @@
 """torch.compile, on (inductor) in the OpenWebText configs of the families without double
 backward, and accepted for EBT with its first-order energy gradient: each family's training
 forward is one graph, its compiled loss and gradients equal eager's up to float rounding, and a
-compiled run resumes with the uninterrupted run's losses (tested for NRGPT, not yet for EBT)."""
+compiled run resumes with the uninterrupted run's losses (NRGPT and EBT)."""
 from __future__ import annotations
 
 import copy
@@ -195,13 +195,20 @@ def test_a_compiled_model_decodes_eagerly(flavor):
     assert counters["stats"]["unique_graphs"] == 1
 
 
-def test_compiled_run_resumes_with_the_uninterrupted_losses():
+COMPILED_RUNS = {"nrgpt": ["model.flavor=nrgpt-tiny"],
+                 "ebt": ["model.flavor=ebt-tiny", "model.overrides.energy_gradient=first_order"]}
+"""The trainer runs compiled for resumption: NRGPT, and EBT, whose compiled step draws its
+starting candidate from inductor's random numbers."""
+
+
+@pytest.mark.parametrize("family", COMPILED_RUNS)
+def test_compiled_run_resumes_with_the_uninterrupted_losses(family):
     """A trainer run with model.compile=inductor (ZeRO-2, fp32 on CPU) resumed from its middle
     checkpoint logs the uninterrupted run's losses bit for bit: both compile the same graphs,
     and the engine has inductor's CPU kernels sum in a fixed order. Each run starts with dynamo
     reset, as a requeued job's fresh process would."""
-    name = "compiled-nrgpt"
-    overrides = ["model.flavor=nrgpt-tiny", "model.compile=inductor", "train.max_steps=6",
+    name = f"compiled-{family}"
+    overrides = [*COMPILED_RUNS[family], "model.compile=inductor", "train.max_steps=6",
                  "checkpoint.interval=3", "eval.interval=0", "eval.sample_tokens=0"]
     done = runs.train_here([*overrides, f"run_name={name}"])
     assert done.returncode == 0, done.stderr[-3000:]
