@@ -18,7 +18,7 @@ from pretrain.training.trainer import Trainer
 
 STEPS = 3
 MICRO_BATCH, SEQ_LEN, VOCAB_SIZE = 4, 32, 512
-EBT = ["model.flavor=ebt-tiny", "model.overrides.energy_gradient=first_order", "optimizer.fused=false"]
+EBT = ["model.flavor=ebt-tiny", "model.overrides.n_layer=1", "model.overrides.energy_gradient=first_order", "optimizer.fused=false"]
 VARIANTS = {
     "foreach": ["optimizer.fused=false"],
     "fused": ["optimizer.fused=true"],

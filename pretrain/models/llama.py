@@ -160,7 +160,8 @@ class RotaryCache:
     """`rotary_tables` of positions 0, 1, ... computed once per dtype and device and sliced per
     call: incremental decoding asks for one position per token, and building its tables costs
     more than the rest of a small model's step. Slices are bitwise equal to the tables of the
-    positions alone (elementwise ops); the tables grow when a longer range is asked for."""
+    positions alone (elementwise ops); the tables grow when a longer range is asked for. A
+    compiled graph computes its own tables instead of filling the cache."""
 
     def __init__(self, head_dim: int, theta: float, n_positions: int):
         self.head_dim, self.theta, self.n_positions = head_dim, theta, n_positions
@@ -170,6 +171,11 @@ class RotaryCache:
         """Tables [length, head_dim] of positions first_position.. in `like`'s dtype and device."""
         end = first_position + length
         key = (like.dtype, like.device)
+        if torch.compiler.is_compiling() and key not in self.tables:
+            # Inside the graph: storing the tables would change the cache the graph's guards read
+            # and compile every model twice; the graph computes its own and inductor fuses them.
+            positions = torch.arange(first_position, end, device=like.device)
+            return rotary_tables(positions, self.head_dim, self.theta, like.dtype)
         if key not in self.tables or self.tables[key][0].size(0) < end:
             self.n_positions = max(self.n_positions, end)
             with torch.inference_mode(False):  # ordinary tensors: a later training step saves them
