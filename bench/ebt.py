@@ -12,24 +12,34 @@ Transformer++ and measures checkpointing memory):
    energy gradient by autograd's double backward and first order (`EBTConfig.energy_gradient`),
    and the CPU time and peak memory of each. A GPU step of these models is bound by its
    launches, not its FLOPs.
+5. Compiled (`--compile`, this section alone): the same S1 step compiled by inductor (first-order
+   energy gradient, the only one torch.compile takes) against eager with either gradient: CPU
+   time per interleaved round, kernels per step, peak memory, and the share of the eager step
+   in GEMMs (the floor of compiled / eager: inductor calls those kernels as they are).
 
-    python -m bench.ebt [--width 256 --heads 4 --seq-len 256 --batch 4 --steps 4 --rounds 10] [--launches]
+    python -m bench.ebt [--width 256 --heads 4 --seq-len 256 --batch 4 --steps 4 --rounds 10] [--launches | --compile]
 """
 from __future__ import annotations
 
 import collections
+import copy
 import functools
+import re
+import statistics
+import time
 
 import torch
+from torch._inductor.utils import run_and_get_code
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from bench.memory import peak_allocated_bytes
-from bench.models import (Contender, add_shape_arguments, build_contender, print_table, seconds_per_step,
-                          train_step)
+from bench.models import (Contender, add_shape_arguments, build_contender, library_kernel_share, print_table,
+                          seconds_per_round, seconds_per_step, train_step)
 from common.cli import ArgumentParser, run_command
 from pretrain.models.ebt_attention import CPU_CHUNKS, default_chunks
+from pretrain.training.engine import compiled_cpu_kernel_settings
 
 BASELINE = Contender("transformer_pp", "transformer_pp-tiny")
 TRAINING = [
@@ -133,10 +143,58 @@ def launches(args, idx) -> None:
     print_table(("energy gradient, attention", "ATen ops", "not views", "CPU ms", "peak MiB"), rows)
 
 
+LAUNCH = re.compile(r"^\s+(?:\w+ = )?(?:cpp_fused_\w+|extern_kernels\.\w+|torch\.ops\.\w+\.\w+(?:\.\w+)?)\(",
+                    re.MULTILINE)
+"""A kernel call in inductor's wrapper code: its own fused C++ kernels, the library kernels it
+calls (GEMMs), and the ATen ops it falls back to."""
+
+
+def compiled_launches(code: list[str]) -> int:
+    """Kernel calls in one run of the generated graphs (forward and backward; their wrappers
+    have no loops, so each call runs once)."""
+    return sum(len(LAUNCH.findall(graph)) for graph in code)
+
+
+def spread(values: list[float], scale: float = 1.0, digits: int = 0) -> str:
+    """min-median-max of `values` times `scale`."""
+    return "-".join(f"{v * scale:.{digits}f}" for v in (min(values), statistics.median(values), max(values)))
+
+
+def compiled_step(args, idx) -> None:
+    s1 = Contender("ebt S1", "ebt-s1-small")
+    compiled_cpu_kernel_settings()  # as a compiled CPU run of the trainer
+    autograd = build_model(s1, args, energy_gradient="autograd")
+    first_order = build_model(s1, args, energy_gradient="first_order")
+    compiled = copy.deepcopy(first_order)
+    compiled.compile(backend="inductor", fullgraph=True)
+    start = time.perf_counter()
+    _, code = run_and_get_code(train_step, compiled, idx)
+    compile_seconds = time.perf_counter() - start
+    models = {"eager, autograd": autograd, "eager, first_order": first_order, "compiled, first_order": compiled}
+    seconds = seconds_per_round(models, idx, args.rounds)
+    launches = {"compiled, first_order": f"{compiled_launches(code)} kernels"}
+    for label in ("eager, autograd", "eager, first_order"):
+        with AtenOps() as ops:
+            train_step(models[label], idx)
+        launches[label] = f"{ops.total} ATen ops ({ops.kernels} not views)"
+    peaks = {label: peak_allocated_bytes(functools.partial(train_step, model, idx)) for label, model in models.items()}
+    base = seconds["eager, autograd"]
+    rows = [(label, launches[label], spread(seconds[label], 1e3), spread([t / b for t, b in zip(seconds[label], base)],
+                                                                         digits=2),
+             f"{peaks[label] / 2**20:.1f}") for label in models]
+    print(f"5. Compiled: one S1 training step (ebt-s1-small's options), {args.rounds} interleaved rounds "
+          f"(min-median-max); inductor, fullgraph, the trainer's CPU kernel settings; target: compiled <= 0.7x "
+          "eager autograd")
+    print_table(("step", "per step", "CPU ms", "/ eager autograd (per round)", "peak MiB"), rows)
+    print(f"GEMM + attention share of the eager first_order step (the floor of compiled / eager first_order): "
+          f"{library_kernel_share(first_order, idx):.2f}; first compiled step {compile_seconds:.0f} s (wall)")
+
+
 def main() -> None:
     parser = ArgumentParser(prog="python -m bench.ebt", description=__doc__.split("\n")[0])
     add_shape_arguments(parser)  # --steps: the number of layers here
     parser.add_argument("--launches", action="store_true", help="only the ATen ops per step (section 4)")
+    parser.add_argument("--compile", action="store_true", help="only the compiled step against eager (section 5)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -145,6 +203,9 @@ def main() -> None:
           f"{args.heads} heads, T={args.seq_len}, B={args.batch}, V={args.vocab}, {args.steps} layers\n")
     if args.launches:
         launches(args, idx)
+        return
+    if args.compile:
+        compiled_step(args, idx)
         return
     executed_flops(args, idx)
     thinking_costs(args, idx)

@@ -113,7 +113,7 @@ def case_plan(tiny: bool) -> list[Case]:
     is set, the attention probe, then each flagship the other way (compiled or not: the
     comparison). A budget too short for every cap cuts from the end (`schedule`). Training cases
     are named by their config file."""
-    from pretrain.config import load_config
+    from pretrain.config import load_config, typed_model_overrides
     from pretrain.models import model_class, resolve
 
     scale = "tiny" if tiny else "gpu"
@@ -132,7 +132,8 @@ def case_plan(tiny: bool) -> list[Case]:
         cfg = load_config(REPO / config)
         own = cfg.model.compile if cfg.model.compile == "off" or not tiny else backend
         settings = ["off"]  # and the config's own setting, or else the compiler
-        if not model_class(resolve(cfg.model.flavor)).needs_double_backward:
+        model_config = resolve(cfg.model.flavor, typed_model_overrides(cfg))
+        if model_class(model_config).compile_refusal(model_config) is None:
             settings.append(own if own != "off" else backend)
         for setting in settings:
             case = Case(f"{Path(config).stem} compile={setting}{' (config)' if setting == own else ''}", "train",

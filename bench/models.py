@@ -52,18 +52,23 @@ def train_step(model, idx):
     model(idx, torch.roll(idx, -1, dims=1)).loss.backward()
 
 
-def seconds_per_step(models: dict, idx, rounds: int, step=train_step) -> dict[str, float]:
-    """Minimum over `rounds` of the CPU time of one `step(model, idx)` (by default a forward +
-    backward), contenders interleaved."""
+def seconds_per_round(models: dict, idx, rounds: int, step=train_step) -> dict[str, list[float]]:
+    """The CPU time of one `step(model, idx)` (by default a forward + backward) in each of
+    `rounds` rounds, contenders interleaved, after a warm-up step of each."""
     for model in models.values():
-        step(model, idx)  # warm-up
-    best = {label: float("inf") for label in models}
+        step(model, idx)
+    seconds = {label: [] for label in models}
     for _ in range(rounds):
         for label, model in models.items():
             start = time.process_time()
             step(model, idx)
-            best[label] = min(best[label], time.process_time() - start)
-    return best
+            seconds[label].append(time.process_time() - start)
+    return seconds
+
+
+def seconds_per_step(models: dict, idx, rounds: int, step=train_step) -> dict[str, float]:
+    """Minimum over `rounds` of `seconds_per_round`."""
+    return {label: min(times) for label, times in seconds_per_round(models, idx, rounds, step).items()}
 
 
 def print_table(header: tuple, rows: list[tuple]) -> None:

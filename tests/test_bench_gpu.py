@@ -95,7 +95,8 @@ def test_compilation_runs_as_each_config_sets_it_and_the_other_way(tiny_report):
         own = load_config(runs.REPO / config).model.compile
         cases = [c for c in plan if c.config == config]
         settings = [c.overrides[-1].removeprefix("model.compile=") for c in cases]
-        if model_class(resolve(load_config(runs.REPO / config).model.flavor)).needs_double_backward:
+        model_config = resolve(load_config(runs.REPO / config).model.flavor)
+        if model_class(model_config).compile_refusal(model_config):
             assert settings == ["off"]  # EBT: the config check refuses compilation
         else:
             assert sorted(settings) == ["aot_eager", "off"]  # the CPU's stand-in for inductor

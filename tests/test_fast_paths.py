@@ -1,5 +1,6 @@
 """GPU fast paths, checked as far as a CPU can: the peak table MFU divides by, fused AdamW and a
-compiled module under DeepSpeed ZeRO-2 against the plain path, the TF32 switch, the guard that
+compiled module under DeepSpeed ZeRO-2 against the plain path (compiled EBT under ZeRO-1, 2 and
+3 against eager EBT), the TF32 switch, the guard that
 keeps torch.compile away from double backward, and which attention kernel each family's
 attention reaches (NRGPT's explicit path against SDPA). And the host side: freed memory is
 reused, not faulted in again."""
@@ -42,29 +43,52 @@ def test_mfu_is_model_flops_over_the_peak_and_fp32_has_none():
     assert mfu(1e9, 2e5, world_size=2, peak=100.0) == pytest.approx(1.0)
 
 
+def worker_runs(tmp_path, variants: list[str]) -> dict[str, dict]:
+    """fast_paths_worker.py's runs of these variants, by name."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+        env.pop(name, None)
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "fast_paths_worker.py"), *variants], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return {r["variant"]: r for r in map(json.loads, (line for line in proc.stdout.splitlines()
+                                                     if line.startswith("{")))}
+
+
+def assert_follows(run: dict, base: dict, name: str) -> None:
+    """`run` gives `base`'s losses and weights up to rounding, relative to what its steps moved."""
+    step_size = max(base["moved"])  # ~ lr per step: what three Adam steps moved the weights
+    assert base["losses"][0] != base["losses"][-1] and step_size > 1e-2
+    assert run["losses"] == pytest.approx(base["losses"], rel=1e-6), name
+    drift = (torch.tensor(run["params"]) - torch.tensor(base["params"])).abs().max().item()
+    # Adam's normalised step is ill-conditioned for gradients near eps: fused and multi-tensor
+    # kernels order the arithmetic differently, so compare with the size of the moves
+    assert drift < 1e-3 * step_size, name
+
+
 def test_fused_adamw_and_compiled_module_under_zero2_follow_the_plain_path(tmp_path):
     """DeepSpeed accepts torch's fused AdamW as the client optimizer of ZeRO-2 (stepped on its
     flat fp32 partitions) and a module compiled through engine.compile; three steps of each
     give the plain path's losses and weights."""
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
-        env.pop(name, None)
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "fast_paths_worker.py")], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    runs = {r["variant"]: r for r in map(json.loads, (line for line in proc.stdout.splitlines()
-                                                     if line.startswith("{")))}
+    runs = worker_runs(tmp_path, ["foreach", "fused", "compiled"])
     assert runs["fused"]["fused"] and not runs["foreach"]["fused"]
     assert runs["compiled"]["compiled"] and runs["compiled"]["graphs"] >= 1
-    base = runs["foreach"]
-    step_size = max(base["moved"])  # ~ lr per step: what three Adam steps moved the weights
-    assert base["losses"][0] != base["losses"][-1] and step_size > 1e-2
     for name in ("fused", "compiled"):
-        assert runs[name]["losses"] == pytest.approx(base["losses"], rel=1e-6)
-        drift = (torch.tensor(runs[name]["params"]) - torch.tensor(base["params"])).abs().max().item()
-        # Adam's normalised step is ill-conditioned for gradients near eps: fused and multi-tensor
-        # kernels order the arithmetic differently, so compare with the size of the moves
-        assert drift < 1e-3 * step_size, name
+        assert_follows(runs[name], runs["foreach"], name)
+
+
+def test_compiled_ebt_under_zero_1_2_3_follows_its_eager_run(tmp_path):
+    """EBT with its first-order energy gradient, compiled through engine.compile, trains under
+    each ZeRO stage as it does eagerly (three steps: losses and weights). Under ZeRO-1 and 2 its
+    training forward has no graph break; ZeRO-3's hooks break the graph, as for every family,
+    and there the anchor that holds back the descent's gradient reduction is made outside it."""
+    stages = (1, 2, 3)
+    runs = worker_runs(tmp_path, [f"ebt zero{stage}{compiled}" for stage in stages for compiled in ("", " compiled")])
+    for stage in stages:
+        compiled = runs[f"ebt zero{stage} compiled"]
+        assert compiled["compiled"] and compiled["graphs"] >= 1, stage
+        assert compiled["graph_breaks"] == 0 or stage == 3, stage
+        assert_follows(compiled, runs[f"ebt zero{stage}"], f"zero{stage}")
 
 
 def test_tf32_switch_applies_on_gpu_only():
@@ -108,14 +132,19 @@ def test_freed_host_memory_is_reused_instead_of_faulted_in_again():
 
 
 def test_compile_is_refused_for_families_with_double_backward():
+    """Refused for EBT's autograd energy gradient, with the setting that compiles it."""
     cfg = RunConfig(run_name="run")
     cfg.data.path = "data"
     cfg.train.max_steps = 1
     cfg.model.flavor, cfg.model.compile = "gpt-tiny", "aot_eager"
     validate(cfg, world_size=1, has_gpu=False)
     cfg.model.flavor = "ebt-tiny"
-    with pytest.raises(ConfigError, match="model.compile.*double backward"):
+    with pytest.raises(ConfigError, match="model.compile.*double backward.*set model.overrides.energy_gradient: "
+                                          "first_order, or use 'off'$"):
         validate(cfg, world_size=1, has_gpu=False)
+    cfg.model.overrides = {"energy_gradient": "first_order"}
+    validate(cfg, world_size=1, has_gpu=False)
+    cfg.model.overrides = {}
     cfg.model.flavor, cfg.model.compile = "gpt-tiny", "no-such-backend"
     with pytest.raises(ConfigError, match="model.compile"):
         validate(cfg, world_size=1, has_gpu=False)

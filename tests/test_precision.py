@@ -109,8 +109,8 @@ def test_ebt_predicted_row_scores_are_float32():
     """The attention weights of EBT's predicted rows come from float32 scores: with bf16 queries
     and keys they equal float64's to float32 rounding (bf16 scores were off by 2^-9 of their
     size, a relative error of that times the score in every weight)."""
-    out, *probs = TwoStreamAttention.apply(*two_stream_inputs(torch.bfloat16), 0, 2)
-    _, *probs64 = TwoStreamAttention.apply(*two_stream_inputs(torch.float64), 0, 2)
+    out, *probs = TwoStreamAttention.apply(*two_stream_inputs(torch.bfloat16), 0, 2, True)
+    _, *probs64 = TwoStreamAttention.apply(*two_stream_inputs(torch.float64), 0, 2, True)
     for p, p64 in zip(probs, probs64):
         assert p.dtype == torch.float32
         assert_rounding_close(p.double(), p64, rounded_in=torch.float32)
@@ -124,8 +124,8 @@ def test_ebt_score_gradient_cancellation_is_float32():
     inputs = two_stream_inputs(torch.bfloat16, value_offset=8.0)
     inputs64 = two_stream_inputs(torch.float64, value_offset=8.0)
     grad_out = bf16_values(*inputs[0].shape, seed=20)
-    (dq,) = torch.autograd.grad(TwoStreamAttention.apply(*inputs, 0, 2)[0], inputs[0], grad_out)
-    (dq64,) = torch.autograd.grad(TwoStreamAttention.apply(*inputs64, 0, 2)[0], inputs64[0], grad_out.double())
+    (dq,) = torch.autograd.grad(TwoStreamAttention.apply(*inputs, 0, 2, True)[0], inputs[0], grad_out)
+    (dq64,) = torch.autograd.grad(TwoStreamAttention.apply(*inputs64, 0, 2, True)[0], inputs64[0], grad_out.double())
     assert relative_error(dq, dq64) < BF16_EPS
 
 

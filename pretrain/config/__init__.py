@@ -52,8 +52,8 @@ class ModelSection:
     compile: str = "off"
     """torch.compile the model through DeepSpeed's engine.compile: "off", or a torch.compile
     backend ("inductor" for generated kernels; "aot_eager" traces without generating code, for
-    debugging). Off by default: not yet measured to pay on GPU (docs/benchmarks.md). Refused for
-    families that differentiate inside forward (EBT), which torch.compile does not handle."""
+    debugging). Off by default: not yet measured to pay on GPU (docs/benchmarks.md). Refused where
+    the forward differentiates itself (EBT's energy_gradient 'autograd'), which it does not trace."""
 
 
 @dataclass

@@ -107,9 +107,9 @@ def validate(cfg: RunConfig, world_size: int, has_gpu: bool) -> None:
             f"block_size={block_size} is shorter than data.seq_len={cfg.data.seq_len}")
     require(cfg.model.compile == "off" or cfg.model.compile in _compile_backends(), "model.compile",
             "must be 'off' or a torch.compile backend such as 'inductor'")
-    require(cfg.model.compile == "off" or not model_class(model_config).needs_double_backward,
-            "model.compile", f"flavor {cfg.model.flavor} differentiates inside its forward (double "
-            "backward), which torch.compile does not support; use 'off'")
+    refusal = model_class(model_config).compile_refusal(model_config)
+    require(cfg.model.compile == "off" or refusal is None, "model.compile",
+            f"flavor {cfg.model.flavor}: {refusal}, or use 'off'")
     attention = gpu_attention(cfg, model_config) if has_gpu else None
     if attention and attention[0] == "math" and "attention_impl" not in cfg.model.overrides:
         _, head_dim, precision = attention

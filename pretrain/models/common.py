@@ -32,10 +32,13 @@ class LanguageModel(nn.Module):
     `embedding_parameters` and `flops_per_token`."""
 
     config: object
-    needs_double_backward: bool = False
-    """True when forward calls autograd.grad with create_graph, so training backpropagates
-    through a gradient: attention must run on kernels with a double backward (not flash), and
-    torch.compile is refused."""
+
+    @staticmethod
+    def compile_refusal(config: object) -> str | None:
+        """Why torch.compile cannot take this family's training forward under `config`, or None
+        when it can: a forward that calls autograd.grad with create_graph (training then
+        backpropagates through a gradient, a double backward) is not traced by dynamo."""
+        return None
 
     def embedding_parameters(self) -> list[nn.Parameter]:
         """Parameters counted as embeddings (excluded from the non-embedding count)."""

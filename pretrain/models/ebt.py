@@ -198,6 +198,10 @@ class ThinkOutput(NamedTuple):
     """[steps, B, R] cross entropy per position after each step (chosen samples), given targets."""
 
 
+def new_anchor(device: torch.device) -> torch.Tensor:
+    return torch.zeros(0, device=device, requires_grad=True)
+
+
 def take_legacy_replay_buffers(model: EBT, state_dict: dict, prefix: str, *_) -> None:
     """Load-state hook: module state from before `ReplayStore` holds the replay buffer as buffers,
     which go into the model's store (in its layout) instead of being unexpected keys."""
@@ -207,7 +211,12 @@ def take_legacy_replay_buffers(model: EBT, state_dict: dict, prefix: str, *_) ->
 
 
 class EBT(LanguageModel):
-    needs_double_backward = True
+    @staticmethod
+    def compile_refusal(config: EBTConfig) -> str | None:
+        if config.energy_gradient == "first_order":
+            return None
+        return ("its energy gradient (energy_gradient='autograd') differentiates inside the forward (double "
+                "backward), which torch.compile does not support; set model.overrides.energy_gradient: first_order")
 
     def __init__(self, config: EBTConfig):
         super().__init__()
@@ -303,7 +312,15 @@ class EBT(LanguageModel):
         if replay:
             all_idx, all_targets, candidate = self.replay_store.extend(idx, targets, candidate)
         learning = self.training and torch.is_grad_enabled()
-        anchor = torch.zeros(0, device=idx.device, requires_grad=True) if learning else None
+        # ZeRO-3's hook order (see `EnergyDescent.forward`). Dynamo cannot make a tensor that
+        # requires grad inside its graph: compiled, the anchor is made outside it (a graph break)
+        # only where a full backward hook waits on the descent, ZeRO-3's, whose other hooks break
+        # the graph anyway; otherwise the compiled backward is one node and has no order to keep
+        anchor = None
+        if learning and not torch.compiler.is_compiling():
+            anchor = new_anchor(idx.device)
+        elif learning and self.descent._backward_hooks:
+            anchor = torch.compiler.disable(new_anchor)(idx.device)
         noise_std = cfg.langevin_noise_std if self.training else self.eval_noise_std()
         with contextlib.nullcontext() if self.training else self.eval_noise_rng(noise_std, idx.device):
             result = self.descent(

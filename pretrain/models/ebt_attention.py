@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from pretrain.models.blocks import autocast_dtype, wide
+from pretrain.models.blocks import autocast_dtype, no_autocast, wide
 
 CPU_CHUNKS = 4
 """Row chunks on the CPU: more skip more masked keys but run more, smaller matmuls (4 measured
@@ -102,27 +102,27 @@ def gradients_wanted(ctx) -> list[bool]:
 
 class TwoStreamAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, k_obs, v_obs, offset, chunks):
+    def forward(ctx, q, k, v, k_obs, v_obs, offset, chunks, ask_engine):
         ctx.set_materialize_grads(False)
+        ctx.ask_engine = ask_engine
         inputs = (q, k, v, k_obs, v_obs)
         q, k, v, K, V = map(batched, inputs)
         R, T, scale = q.size(1), K.size(1), q.size(2) ** -0.5
         ctx.spans = causal_chunks(R, T, offset, chunks)
         # the scores in at least float32 (bf16 would round them by up to 2^-9 of their size
-        # before the softmax); `out=` matmuls run in their operands' dtype also under autocast
+        # before the softmax), also under autocast
         q_wide, K_wide = wide(q), wide(K)
         # additive mask: row r hides observed keys after r + offset
         hidden = torch.full((R, T), float("-inf"), dtype=q_wide.dtype, device=q.device).triu(offset + 1)
         self_scores = rowdot(q_wide, wide(k)) * scale
         mixed, probs = [], []
         for r0, r1, e in ctx.spans:
-            # [observed scores | self score] in one buffer, so one softmax covers both
-            scores = q_wide.new_empty(q.size(0), r1 - r0, e + 1)
             mask = hidden if (r0, r1, e) == (0, R, T) else hidden[r0:r1, :e]
-            torch.baddbmm(mask, rows(q_wide, r0, r1), keys(K_wide, e).transpose(1, 2), alpha=scale,
-                          out=scores[..., :e])
-            scores[..., e:] = rows(self_scores, r0, r1)
-            weights = scores.softmax(-1)
+            with no_autocast(q.device):
+                observed = torch.baddbmm(mask, rows(q_wide, r0, r1), keys(K_wide, e).transpose(1, 2), alpha=scale)
+            # [observed scores | self score], so one softmax covers both (joined by cat, not by
+            # matmuls into a slice of one buffer: dynamo does not trace `out=` a strided view)
+            weights = torch.cat([observed, rows(self_scores, r0, r1)], -1).softmax(-1)
             mixed.append(torch.bmm(weights[..., :e].to(q.dtype), keys(V, e)))
             probs.append(weights)
         out = torch.addcmul(joined(mixed), self_weights(probs, q.dtype), v).view(inputs[0].shape)
@@ -134,11 +134,12 @@ class TwoStreamAttention(torch.autograd.Function):
         q, k, v, k_obs, v_obs, out, *probs = ctx.saved_tensors
         if grad_out is None:
             if all(g is None for g in grad_probs):
-                return (None,) * 7
+                return (None,) * 8
             grad_out = torch.zeros_like(out)
-        grads = TwoStreamAttentionGrad.apply(ctx.spans, gradients_wanted(ctx)[3:5], grad_out, q, k, v, k_obs, v_obs,
+        wanted = gradients_wanted(ctx) if ctx.ask_engine else ctx.needs_input_grad
+        grads = TwoStreamAttentionGrad.apply(ctx.spans, wanted[3:5], grad_out, q, k, v, k_obs, v_obs,
                                              out, *grad_probs, *probs)
-        return (*grads, None, None)
+        return (*grads, None, None, None)
 
 
 def self_weights(probs: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
@@ -167,9 +168,9 @@ class TwoStreamAttentionGrad(torch.autograd.Function):
         dq_obs, dK_parts, dV_parts, shifted_all, dS_all = [], [], [], [], []
         for (r0, r1, e), P, gamma in zip(spans, probs, gammas):
             G_r = rows(G, r0, r1)
-            shifted = G_wide.new_empty(q_.size(0), r1 - r0, e + 1)
-            torch.bmm(rows(G_wide, r0, r1), keys(V_wide, e).transpose(1, 2), out=shifted[..., :e])
-            shifted[..., e:] = rows(a_all, r0, r1)
+            with no_autocast(q_.device):
+                observed = torch.bmm(rows(G_wide, r0, r1), keys(V_wide, e).transpose(1, 2))
+            shifted = torch.cat([observed, rows(a_all, r0, r1)], -1)
             sigma = rowdot(P, shifted if gamma is None else shifted + gamma)
             shifted -= sigma
             if gamma is not None:
@@ -257,7 +258,7 @@ def two_stream_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_ob
     """Attention of the predicted rows [B, H, R, hd]: row r attends to observed keys
     0..r + offset and to its own key, in one softmax (scale 1/sqrt(hd)), computed in `chunks`
     row chunks (None: `default_chunks` of the device). Differentiable twice on every device."""
-    return two_stream_attention_weights(q, k, v, k_obs, v_obs, offset, chunks)[0]
+    return two_stream_attention_weights(q, k, v, k_obs, v_obs, offset, chunks, ask_engine=True)[0]
 
 
 def in_compute_dtype(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -268,12 +269,16 @@ def in_compute_dtype(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 def two_stream_attention_weights(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_obs: torch.Tensor,
-                                 v_obs: torch.Tensor, offset: int,
-                                 chunks: int | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                                 v_obs: torch.Tensor, offset: int, chunks: int | None = None,
+                                 ask_engine: bool = False) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """(`two_stream_attention`'s output, its weights [B * H, rows, visible keys + 1] per row
-    chunk), both differentiable: `two_stream_attention_row_grads` reads them."""
+    chunk), both differentiable: `two_stream_attention_row_grads` reads them. `ask_engine`: the
+    backward asks autograd's engine whether the observed keys' and values' gradients are
+    wanted (`gradients_wanted`: autograd.grad of the energy skips them), which dynamo cannot
+    trace; without it they are computed whenever those inputs require grad, all that the
+    first-order energy gradient's only backward, the training one, needs."""
     chunks = chunks or default_chunks(q.device)
-    out, *probs = TwoStreamAttention.apply(*in_compute_dtype(q, k, v, k_obs, v_obs), offset, chunks)
+    out, *probs = TwoStreamAttention.apply(*in_compute_dtype(q, k, v, k_obs, v_obs), offset, chunks, ask_engine)
     return out, probs
 
 

@@ -81,12 +81,14 @@ class SecondOrderRMSNorm(torch.autograd.Function):
     `RMSNormGradient`, whose own backward is the second derivative: about 50 ATen ops per call
     through the three passes of a training descent, against about 70 for autograd's graph of
     the composite (on a GPU too: torch's fused backward kernel is only taken without
-    create_graph). `torch._fused_rms_norm` is what F.rms_norm runs on a GPU; it also gives r."""
+    create_graph). `aten._fused_rms_norm` is what F.rms_norm runs on a GPU; it also gives r."""
 
     @staticmethod
     def forward(ctx, x, weight, eps):
         ctx.set_materialize_grads(False)  # r's gradient is never formed: no zeros for it
-        y, r = torch._fused_rms_norm(x, (x.size(-1),), weight, eps)  # r in float32 for bf16 x
+        # r in float32 for bf16 x; the op through torch.ops, which dynamo traces (it skips the
+        # private torch._fused_rms_norm binding: a graph break in a compiled EBT)
+        y, r = torch.ops.aten._fused_rms_norm(x, [x.size(-1)], weight, eps)
         # r as [..., 1] whatever shape the device's kernel gives it: a flat [rows] would
         # broadcast against the width instead of the rows
         r = r.view(*x.shape[:-1], 1)
@@ -158,7 +160,8 @@ class RotaryCache:
     """`rotary_tables` of positions 0, 1, ... computed once per dtype and device and sliced per
     call: incremental decoding asks for one position per token, and building its tables costs
     more than the rest of a small model's step. Slices are bitwise equal to the tables of the
-    positions alone (elementwise ops); the tables grow when a longer range is asked for."""
+    positions alone (elementwise ops); the tables grow when a longer range is asked for. A
+    compiled graph computes its own tables instead of filling the cache."""
 
     def __init__(self, head_dim: int, theta: float, n_positions: int):
         self.head_dim, self.theta, self.n_positions = head_dim, theta, n_positions
@@ -168,6 +171,11 @@ class RotaryCache:
         """Tables [length, head_dim] of positions first_position.. in `like`'s dtype and device."""
         end = first_position + length
         key = (like.dtype, like.device)
+        if torch.compiler.is_compiling() and key not in self.tables:
+            # Inside the graph: storing the tables would change the cache the graph's guards read
+            # and compile every model twice; the graph computes its own and inductor fuses them.
+            positions = torch.arange(first_position, end, device=like.device)
+            return rotary_tables(positions, self.head_dim, self.theta, like.dtype)
         if key not in self.tables or self.tables[key][0].size(0) < end:
             self.n_positions = max(self.n_positions, end)
             with torch.inference_mode(False):  # ordinary tensors: a later training step saves them

@@ -7,6 +7,7 @@ and evaluation draws its random numbers from a fixed seed inside a forked RNG, s
 changes the training run's random streams nor depends on when it happens."""
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from itertools import cycle, islice
@@ -153,8 +154,14 @@ def evaluate(engine, val_loader, settings: EvalSection, device: torch.device, se
     thinks = family_spec(model.config).thinks
     devices = [device.index or 0] if device.type == "cuda" else []
     engine.eval()
+    # A thinking model's forward starts from noise drawn by a generator it seeds per call, which
+    # dynamo cannot trace, and which a compiled graph would replace by inductor's own random
+    # numbers: compiled, it evaluates eagerly (as its `think` calls run anyway), so its
+    # evaluation is the eager one's
+    eagerly = thinks and engine.is_compiled
     try:
-        with torch.random.fork_rng(devices=devices):
+        with (torch.random.fork_rng(devices=devices),
+              torch.compiler.set_stance("force_eager") if eagerly else contextlib.nullcontext()):
             torch.manual_seed(seed)
             # on the device: NCCL reduces only device tensors, and no host sync per batch
             # loss, then for EBT the mean over steps and the thinking curve
