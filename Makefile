@@ -19,8 +19,8 @@ $(STAMP): requirements.txt requirements-nodeps.txt
 demo: $(STAMP)
 	$(PY) -m pretrain.demo
 
-# Two pytest-xdist workers, a test file (or a group of files, tests/conftest.py) at a time: the
-# Slurm cluster's tests and the failure tests mostly wait, and the other worker fills the cores.
+# Two pytest-xdist workers, a test file (or a group of files, tests/conftest.py) at a time; what
+# that saves is in docs/benchmarks.md, "The test suite's time".
 test: $(STAMP)
 	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -q -n 2 --dist loadgroup tests
