@@ -125,6 +125,12 @@ def assert_same_losses(got: dict[int, float], expected: dict[int, float], rel: f
         assert math.isclose(got[step], value, rel_tol=rel, abs_tol=0.0), (step, got[step], value)
 
 
+def held_from(step: int, hold: Path) -> list[str]:
+    """Overrides that hold a run before `step` while the file `hold` exists (or until a stop
+    signal): a test acts on a run at a known step, however fast the host trains it."""
+    return [f"fault.step_stall_file={hold}", f"fault.step_stall_from={step}"]
+
+
 def no_traceback(text: str) -> None:
     assert "Traceback" not in text and "[rank" not in text, text[-3000:]
 
@@ -140,11 +146,15 @@ def test_a_preempted_job_checkpoints_requeues_and_resumes_exactly(slurm, shared,
     srun starts the trainers itself): checkpoint, requeue (restart 1), resume; every step's loss
     equals the uninterrupted one-host run's (2 processes either way: the same two micro-batches,
     summed in either order)."""
-    job = submit(slurm, shared, "--nodes=2", "--ntasks-per-node=1", overrides=["run_name=preempted"],
-                 env={"TASK_PER_GPU": "1"})
+    hold = shared / "hold-preempted"
+    hold.touch()
+    job = submit(slurm, shared, "--nodes=2", "--ntasks-per-node=1", env={"TASK_PER_GPU": "1"},
+                 overrides=["run_name=preempted", *held_from(CKPT_INTERVAL + 1, hold)])
     run = shared / "runs" / "preempted"
     wait_until(lambda: (run / "ckpt" / "step_00000004" / "complete.json").exists(), "the first checkpoint")
     subprocess.run(["scancel", "--signal=USR1", "--batch", str(job)], env=slurm.env, check=True)
+    wait_until(lambda: "requeueing job" in log(shared, job), "the requeue")
+    hold.unlink()  # the requeued run goes on
     fields = slurm.wait_job(job, 240, states=("COMPLETED", "FAILED", "CANCELLED"))
     output = log(shared, job)
     assert fields["JobState"] == "COMPLETED", output[-3000:]
@@ -228,11 +238,14 @@ def test_node_lost_mid_checkpoint_requeues_and_resumes_from_the_newest_complete_
     train.collective_timeout in one line naming the lost node, Slurm requeues the job on the
     nodes that are up, and it resumes from the first checkpoint (never the partial second one),
     with the uninterrupted run's losses."""
-    stall = shared / "stall-checkpoints"
-    job = submit(slurm, shared, "--nodes=2", overrides=["run_name=node-lost", f"fault.checkpoint_stall_file={stall}"])
+    stall, hold = shared / "stall-checkpoints", shared / "hold-node-lost"
+    hold.touch()
+    job = submit(slurm, shared, "--nodes=2", overrides=["run_name=node-lost", f"fault.checkpoint_stall_file={stall}",
+                                                         *held_from(CKPT_INTERVAL + 1, hold)])
     run = shared / "runs" / "node-lost"
     wait_until(lambda: (run / "ckpt" / "step_00000004" / "complete.json").exists(), "the first checkpoint")
     stall.touch()  # the next checkpoint waits, written but not marked complete, until this goes
+    hold.unlink()
     partial = run / "ckpt" / "step_00000008"
     wait_until(lambda: (partial / "mp_rank_00_model_states.pt").exists(), "the second checkpoint's files")
     lost = slurm.job_nodes(job)[1]
@@ -319,11 +332,12 @@ def test_a_scaling_sweep_runs_as_a_job_array_and_fits(slurm, shared):
     assert "L(N)" in fits and "gpt" in fits, fits
 
 
-def two_host_launch(bare, shared: Path, node: int, name: str) -> subprocess.Popen:
+def two_host_launch(bare, shared: Path, node: int, name: str, *overrides: str) -> subprocess.Popen:
     """launch/torchrun.sh on namespace node `node` (1 or 2) of a two-host static rendezvous."""
     env = job_env(NNODES="2", NODE_RANK=str(node - 1), MASTER_ADDR="n1", MASTER_PORT="29511",
                   NPROC_PER_NODE="1", GRACE_SECONDS="5")
-    command = bare.on_node(node, ["bash", "launch/torchrun.sh", str(shared / "base.yaml"), f"run_name={name}"])
+    command = bare.on_node(node, ["bash", "launch/torchrun.sh", str(shared / "base.yaml"), f"run_name={name}",
+                                  *overrides])
     return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
 
@@ -333,18 +347,28 @@ def test_two_host_torchrun_survives_a_network_cut_and_a_lost_host_and_resumes_ex
     """Two hosts without Slurm (n1 and n2 of the cluster, started by hand as a user would). A
     network cut (n2's link down) mid-run: n1 ends within train.collective_timeout in one line
     instead of hanging. Both started again; then n2 killed mid-run: n1 ends in one line naming
-    it. Both started again: the run ends with the uninterrupted run's losses."""
+    it. Both started again: the run ends with the uninterrupted run's losses. The runs are held
+    at a given step until n2 is cut or killed."""
     name = "two-hosts"
     run = shared / "runs" / name
+    hold = shared / "hold-two-hosts"
 
-    def launch_both_until(checkpoint: int):
-        hosts = [two_host_launch(slurm, shared, node, name) for node in (1, 2)]
+    def launch_both_held_after(checkpoint: int):
+        """Both hosts, held before step `checkpoint + 2`; returns once they wait there."""
+        hold.touch()
+        hosts = [two_host_launch(slurm, shared, node, name, *held_from(checkpoint + 2, hold)) for node in (1, 2)]
         wait_until(lambda: (run / "ckpt" / f"step_{checkpoint:08d}" / "complete.json").exists() and
                    checkpoint + 1 in losses(run), f"step {checkpoint + 1}", timeout=240)
         return hosts
 
     def survivor_line(first: subprocess.Popen, since: float) -> str:
-        out, _ = first.communicate(timeout=COLLECTIVE_TIMEOUT_S + 40)
+        hold.unlink()  # n1 goes on to the next step's collectives
+        try:
+            out, _ = first.communicate(timeout=COLLECTIVE_TIMEOUT_S + 40)
+        except subprocess.TimeoutExpired:
+            stop(first)
+            pytest.fail(f"n1's launch still running {time.monotonic() - since:.0f} s after its peer went:\n"
+                        + first.communicate()[0][-3000:])
         # the timeout, then the trainer's and its launcher's exits (slower on a busy host)
         assert time.monotonic() - since < COLLECTIVE_TIMEOUT_S + 20 and first.returncode == 1, out[-3000:]
         no_traceback(out)
@@ -355,7 +379,7 @@ def test_two_host_torchrun_survives_a_network_cut_and_a_lost_host_and_resumes_ex
             os.kill(pid, signal.SIGKILL)
         host.wait()
 
-    first, second = launch_both_until(CKPT_INTERVAL)
+    first, second = launch_both_held_after(CKPT_INTERVAL)
     slurm.cut(2)
     try:
         line = survivor_line(first, time.monotonic())
@@ -365,7 +389,7 @@ def test_two_host_torchrun_survives_a_network_cut_and_a_lost_host_and_resumes_ex
                            f"train.collective_timeout={COLLECTIVE_TIMEOUT_S} s"), line
     stop(second)  # cut off from n1's rendezvous store, its launcher can wait long after its trainer
 
-    first, second = launch_both_until(2 * CKPT_INTERVAL)
+    first, second = launch_both_held_after(2 * CKPT_INTERVAL)
     killed = time.monotonic()
     stop(second)  # the host's launcher and trainer die at once
     line = survivor_line(first, killed)
@@ -375,5 +399,5 @@ def test_two_host_torchrun_survives_a_network_cut_and_a_lost_host_and_resumes_ex
     out, _ = first.communicate(timeout=300)
     second.communicate(timeout=60)
     assert first.returncode == 0 and second.returncode == 0, out[-3000:]
-    assert f"resuming at step {2 * CKPT_INTERVAL}" in out
+    assert f"resuming at step {2 * CKPT_INTERVAL}" in out, out[-3000:]
     assert_same_losses(losses(run), reference_two)

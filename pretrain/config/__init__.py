@@ -285,6 +285,12 @@ class FaultSection:
     checkpoint_stall_file: str = ""
     """While this file exists, every rank waits after writing its checkpoint files, before the
     checkpoint is marked complete: the window in which a test loses a node mid-checkpoint."""
+    step_stall_file: str = ""
+    """While this file exists, every rank waits before optimizer step `step_stall_from` and each
+    one after it, outside any collective, until a stop signal: a test holds a run at a known
+    step, however fast it trains, to cut, kill or preempt a node there."""
+    step_stall_from: int = 0
+    """The first step that `step_stall_file` holds."""
 
 
 REPLACED_SUFFIX = ".replaced-%Y%m%d-%H%M%S"

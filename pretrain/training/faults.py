@@ -1,12 +1,16 @@
 """Test-only fault injection (config section `fault`): what the tests of the trainer's recovery
-from non-finite updates inject into a real run."""
+from non-finite updates inject into a real run, and the hold at a given step that the
+multi-node tests cut or kill a node in."""
 from __future__ import annotations
 
 import math
+import os
+import time
 
 import torch
 
 from pretrain.config import FaultSection
+from pretrain.training.stopping import StopSignals
 
 
 class Faults:
@@ -27,3 +31,10 @@ class Faults:
                 self.fired.add(step)
             return loss * self.fault.spike_loss_factor
         return loss
+
+    def hold(self, step: int, stops: StopSignals) -> None:
+        """Waits before optimizer `step` while `fault.step_stall_file` holds it, until a stop
+        signal arrives (a held run is preempted as a running one is: it runs the step and saves)."""
+        path = self.fault.step_stall_file
+        while path and step >= self.fault.step_stall_from and os.path.exists(path) and not stops.signum:
+            time.sleep(0.1)

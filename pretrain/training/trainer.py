@@ -204,6 +204,7 @@ class Trainer:
             update = self.state.step + 1
             # the first update too, so that curves and console show where the loss started
             log_now = update % cfg.train.log_interval == 0 or update in (1, self.total_steps)
+            self.faults.hold(update, self.stops)
             result = self.train_step(log_now)
             self.metrics.advance()
             if result.nonfinite:
