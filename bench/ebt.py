@@ -14,8 +14,9 @@ Transformer++ and measures checkpointing memory):
    launches, not its FLOPs.
 5. Compiled (`--compile`, this section alone): the same S1 step compiled by inductor (first-order
    energy gradient, the only one torch.compile takes) against eager with either gradient: CPU
-   time per interleaved round, kernels per step, peak memory, and the share of the eager step
-   in GEMMs (the floor of compiled / eager: inductor calls those kernels as they are).
+   time per interleaved round, kernels per step, peak memory, and where the eager and the
+   compiled step spend their time: in GEMMs (the floor of compiled / eager: inductor calls those
+   kernels as they are), in other ATen ops (the compiled step's fallbacks), and the rest.
 
     python -m bench.ebt [--width 256 --heads 4 --seq-len 256 --batch 4 --steps 4 --rounds 10] [--launches | --compile]
 """
@@ -35,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from bench.memory import peak_allocated_bytes
-from bench.models import (Contender, add_shape_arguments, build_contender, library_kernel_share, print_table,
+from bench.models import (Contender, add_shape_arguments, build_contender, cpu_time_split, print_table,
                           seconds_per_round, seconds_per_step, train_step)
 from common.cli import ArgumentParser, run_command
 from pretrain.models.ebt_attention import CPU_CHUNKS, default_chunks
@@ -186,8 +187,12 @@ def compiled_step(args, idx) -> None:
           f"(min-median-max); inductor, fullgraph, the trainer's CPU kernel settings; target: compiled <= 0.7x "
           "eager autograd")
     print_table(("step", "per step", "CPU ms", "/ eager autograd (per round)", "peak MiB"), rows)
-    print(f"GEMM + attention share of the eager first_order step (the floor of compiled / eager first_order): "
-          f"{library_kernel_share(first_order, idx):.2f}; first compiled step {compile_seconds:.0f} s (wall)")
+    # where each step's time goes: what compiling leaves to the library and to unfused ATen ops
+    splits = {label: cpu_time_split(models[label], idx) for label in ("eager, first_order", "compiled, first_order")}
+    print_table(("step", "GEMMs (library)", "other ATen ops", "the rest (Python, wrappers, inductor's kernels)"),
+                [(label, *(f"{share:.2f}" for share in split.values())) for label, split in splits.items()])
+    print(f"GEMM share of the eager first_order step (the floor of compiled / eager first_order): "
+          f"{splits['eager, first_order']['library']:.2f}; first compiled step {compile_seconds:.0f} s (wall)")
 
 
 def main() -> None:

@@ -155,15 +155,24 @@ LIBRARY_KERNELS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "ate
 attention forward and backward); prefixes of the profiler's op names."""
 
 
-def library_kernel_share(model, idx, steps: int = 3) -> float:
-    """Share of the CPU time of eager training steps spent in `LIBRARY_KERNELS`: compiling the
-    step can fuse only the rest, so compiled / eager cannot fall below this share."""
+def cpu_time_split(model, idx, steps: int = 3) -> dict[str, float]:
+    """Shares of the CPU time of `steps` training steps (the profiler's self times): in
+    `LIBRARY_KERNELS`, in the other ATen ops, and the rest: Python, autograd's and a compiled
+    step's wrappers, and inductor's generated kernels (which are no ATen ops)."""
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             train_step(model, idx)
     events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
     library = sum(e.self_cpu_time_total for e in events if e.key.startswith(LIBRARY_KERNELS))
-    return library / sum(e.self_cpu_time_total for e in events)
+    aten = sum(e.self_cpu_time_total for e in events if e.key.startswith("aten::"))
+    return {"library": library / total, "other aten": (aten - library) / total, "rest": 1 - aten / total}
+
+
+def library_kernel_share(model, idx, steps: int = 3) -> float:
+    """Share of the CPU time of eager training steps spent in `LIBRARY_KERNELS`: compiling the
+    step can fuse only the rest, so compiled / eager cannot fall below this share."""
+    return cpu_time_split(model, idx, steps)["library"]
 
 
 def gemm_gflops(args) -> tuple[float, float]:
