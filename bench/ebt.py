@@ -164,8 +164,8 @@ def spread(values: list[float], scale: float = 1.0, digits: int = 0) -> str:
 def compiled_step(args, idx) -> None:
     s1 = Contender("ebt S1", "ebt-s1-small")
     compiled_cpu_kernel_settings()  # as a compiled CPU run of the trainer
-    autograd = build_model(s1, args, energy_gradient="autograd")
-    first_order = build_model(s1, args, energy_gradient="first_order")
+    autograd = build_model(s1, args, energy_gradient="autograd", attention_chunks=args.chunks)
+    first_order = build_model(s1, args, energy_gradient="first_order", attention_chunks=args.chunks)
     compiled = copy.deepcopy(first_order)
     compiled.compile(backend="inductor", fullgraph=True)
     start = time.perf_counter()
@@ -183,7 +183,8 @@ def compiled_step(args, idx) -> None:
     rows = [(label, launches[label], spread(seconds[label], 1e3), spread([t / b for t, b in zip(seconds[label], base)],
                                                                          digits=2),
              f"{peaks[label] / 2**20:.1f}") for label in models]
-    print(f"5. Compiled: one S1 training step (ebt-s1-small's options), {args.rounds} interleaved rounds "
+    print(f"5. Compiled: one S1 training step (ebt-s1-small's options, {args.chunks or CPU_CHUNKS} attention row "
+          f"chunk(s)), {args.rounds} interleaved rounds "
           f"(min-median-max); inductor, fullgraph, the trainer's CPU kernel settings; target: compiled <= 0.7x "
           "eager autograd")
     print_table(("step", "per step", "CPU ms", "/ eager autograd (per round)", "peak MiB"), rows)
@@ -200,6 +201,9 @@ def main() -> None:
     add_shape_arguments(parser)  # --steps: the number of layers here
     parser.add_argument("--launches", action="store_true", help="only the ATen ops per step (section 4)")
     parser.add_argument("--compile", action="store_true", help="only the compiled step against eager (section 5)")
+    parser.add_argument("--chunks", type=int, default=None,
+                        help=f"--compile: the two-stream attention's row chunks (default: the device's choice, "
+                             f"{CPU_CHUNKS} on a CPU, 1 on a GPU)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

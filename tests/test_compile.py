@@ -55,6 +55,8 @@ VARIANTS = {
         "ebt-tiny", {"energy_gradient": "first_order", "time_embed": True, "reuse_observed_stream": False}, False),
     "ebt first-order block checkpointing": ("ebt-tiny", {"energy_gradient": "first_order",
                                                          "activation_checkpointing": "block"}, False),
+    "ebt first-order, one attention row chunk (a GPU's default)": ("ebt-tiny", {"energy_gradient": "first_order",
+                                                                                "attention_chunks": 1}, False),
 }
 """Other code paths of the compiled families: (flavor, overrides, return_energies as the trainer's
 logging steps ask)."""

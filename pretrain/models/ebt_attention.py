@@ -152,7 +152,11 @@ class TwoStreamAttentionGrad(torch.autograd.Function):
     the observed keys' and values' gradients are None unless `wanted_obs` says so."""
 
     @staticmethod
-    def forward(ctx, spans, wanted_obs, G, q, k, v, k_obs, v_obs, out, *gammas_and_probs):
+    def forward(ctx, spans, wanted_obs, G, q, k, v, k_obs, v_obs, *out_gammas_and_probs):
+        # `out` is taken with the variadic tensors: dynamo, inlining a forward where nothing
+        # needs a graph, leaves ctx out when the arguments number the signature's parameters,
+        # which one chunk's (one gamma, one weight) would do with `out` as a parameter of its own
+        out, *gammas_and_probs = out_gammas_and_probs
         ctx.set_materialize_grads(False)
         shapes = [t.shape for t in (G, q, k, v, k_obs, v_obs, out)]
         G = batched(G).contiguous()
