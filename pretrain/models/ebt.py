@@ -266,14 +266,25 @@ class EBT(LanguageModel):
 
     def seed_shared_draws(self, seed: str) -> None:
         self.shared_draws = random.Random(seed)
+        self.next_num_steps = self.draw_num_steps()
+
+    def draw_num_steps(self) -> int:
+        cfg = self.config
+        return self.shared_draws.randint(cfg.min_steps, cfg.n_steps) if cfg.min_steps else cfg.n_steps
 
     def sample_num_steps(self) -> int:
         """Training: uniform in [min_steps, n_steps] when randomised (from the draws every rank
-        shares, not the global RNG); n_steps otherwise."""
-        cfg = self.config
-        if self.training and cfg.min_steps:
-            return self.shared_draws.randint(cfg.min_steps, cfg.n_steps)
-        return cfg.n_steps
+        shares, not the global RNG); n_steps otherwise. Each count is drawn a call ahead (when
+        the draws are seeded, then by each eager call): dynamo cannot trace a draw from a
+        `random.Random`, so a compiled forward takes the count drawn for it, a module attribute
+        it compiles a graph per value of, and draws none (the trainer seeds the draws before
+        every forward)."""
+        if not (self.training and self.config.min_steps):
+            return self.config.n_steps
+        count = self.next_num_steps
+        if not torch.compiler.is_compiling():
+            self.next_num_steps = self.draw_num_steps()
+        return count
 
     def sample_alpha_scale(self, rows: int, length: int, device: torch.device) -> torch.Tensor | None:
         """Training: a factor [rows, length, 1] uniform in [1/r, r] for the step size."""

@@ -276,7 +276,9 @@ class EnergyDescent(nn.Module):
         if targets is not None:
             n_valid = (targets != -1).sum().clamp(min=1)
             step_means = torch.stack([step_losses.sum() / n_valid for step_losses in losses])
-            loss = step_means[-1] if cfg.truncate_loss else step_means.mean()
+            # the last step's mean again rather than a view of step_means, which AOTAutograd
+            # fails to rebuild as an output (compiled S2)
+            loss = losses[-1].sum() / n_valid if cfg.truncate_loss else step_means.mean()
             per_token, per_step = torch.stack(losses).detach(), step_means.detach()
         return DescentResult(y.detach(), torch.stack(energies), per_token, per_step, loss,
                              self.alpha.detach().clamp(min=MIN_ALPHA).squeeze(0), steps_taken)
