@@ -156,8 +156,15 @@ def main(argv: list[str] | None = None) -> int:
                     row.think_until, row.mean_steps = args.think_until, harness.pooled_steps(step_counts, [""]).mean
             rows += generated[0]
             continuations.append({"think_steps": steps, "continuations": generated[1]})
-    if world_size > 1 and dist.get_rank() != 0:
-        return 0
+    if world_size > 1:
+        # The collectives are over: the ranks tear the group down together, as the trainer does,
+        # rather than at the interpreter's exit, where a rank whose peer had already gone once
+        # aborted in gloo's threads ("terminate called without an active exception")
+        rank = dist.get_rank()
+        dist.barrier()
+        dist.destroy_process_group()
+        if rank != 0:
+            return 0
     run_dir = run_dir_of(trained.source)
     out = Path(args.out) if args.out else results_file(trained.source)
     report = {"source": str(trained.source), "flavor": trained.flavor, "family": trained.family,
