@@ -17,8 +17,10 @@ Transformer++ and measures checkpointing memory):
    time per interleaved round, kernels per step, peak memory, and where the eager and the
    compiled step spend their time: in GEMMs (the floor of compiled / eager: inductor calls those
    kernels as they are), in other ATen ops (the compiled step's fallbacks), and the rest.
+   `--recipe s2` times ebt-s2-small's options instead: 2-3 descent steps drawn per step as the
+   trainer draws them, and the replay store (its two calls run between the compiled graphs).
 
-    python -m bench.ebt [--width 256 --heads 4 --seq-len 256 --batch 4 --steps 4 --rounds 10] [--launches | --compile]
+    python -m bench.ebt [--width 256 --heads 4 --seq-len 256 --batch 4 --steps 4 --rounds 10] [--launches | --compile [--recipe s2]]
 """
 from __future__ import annotations
 
@@ -161,39 +163,67 @@ def spread(values: list[float], scale: float = 1.0, digits: int = 0) -> str:
     return "-".join(f"{v * scale:.{digits}f}" for v in (min(values), statistics.median(values), max(values)))
 
 
+RECIPES = {"s1": "ebt-s1-small", "s2": "ebt-s2-small"}
+"""`--recipe` -> the flavor whose options `--compile` times at the bench's shape."""
+WARMUP_STEPS = {"s1": 1, "s2": 5}
+"""Steps before the timed rounds, which compile every graph the rounds run: S2's draws of seeds
+0-4 give 3 steps on the first batch, then 3 and 2 steps on batches extended by replayed rows."""
+
+
+class DrawnStep:
+    """A training step that first seeds the model's shared draws as the trainer does, from the
+    number of steps that model has taken: every contender draws the same step counts (a
+    compiled S2 forward draws none itself)."""
+
+    def __init__(self):
+        self.taken = collections.Counter()
+
+    def __call__(self, model, idx) -> None:
+        model.seed_shared_draws(str(self.taken[id(model)]))
+        self.taken[id(model)] += 1
+        train_step(model, idx)
+
+
 def compiled_step(args, idx) -> None:
-    s1 = Contender("ebt S1", "ebt-s1-small")
+    recipe = Contender(f"ebt {args.recipe.upper()}", RECIPES[args.recipe])
     compiled_cpu_kernel_settings()  # as a compiled CPU run of the trainer
-    autograd = build_model(s1, args, energy_gradient="autograd", attention_chunks=args.chunks)
-    first_order = build_model(s1, args, energy_gradient="first_order", attention_chunks=args.chunks)
+    autograd = build_model(recipe, args, energy_gradient="autograd", attention_chunks=args.chunks)
+    first_order = build_model(recipe, args, energy_gradient="first_order", attention_chunks=args.chunks)
     compiled = copy.deepcopy(first_order)
-    compiled.compile(backend="inductor", fullgraph=True)
-    start = time.perf_counter()
-    _, code = run_and_get_code(train_step, compiled, idx)
-    compile_seconds = time.perf_counter() - start
+    compiled.compile(backend="inductor", fullgraph=args.recipe == "s1")  # S2: the replay store between graphs
     models = {"eager, autograd": autograd, "eager, first_order": first_order, "compiled, first_order": compiled}
-    seconds = seconds_per_round(models, idx, args.rounds)
-    launches = {"compiled, first_order": f"{compiled_launches(code)} kernels"}
+    step, code = DrawnStep(), []
+    start = time.perf_counter()
+    for _ in range(WARMUP_STEPS[args.recipe]):
+        code += run_and_get_code(step, compiled, idx)[1]
+    compile_seconds = time.perf_counter() - start
+    for label in ("eager, autograd", "eager, first_order"):  # the same draws and replay store as compiled
+        for _ in range(WARMUP_STEPS[args.recipe]):
+            step(models[label], idx)
+    seconds = seconds_per_round(models, idx, args.rounds, step)
+    launches = {"compiled, first_order": f"{compiled_launches(code)} kernels" if args.recipe == "s1"
+                else f"{len(code)} graphs"}
     for label in ("eager, autograd", "eager, first_order"):
         with AtenOps() as ops:
-            train_step(models[label], idx)
+            step(models[label], idx)
         launches[label] = f"{ops.total} ATen ops ({ops.kernels} not views)"
-    peaks = {label: peak_allocated_bytes(functools.partial(train_step, model, idx)) for label, model in models.items()}
+    peaks = {label: peak_allocated_bytes(functools.partial(step, model, idx)) for label, model in models.items()}
     base = seconds["eager, autograd"]
     rows = [(label, launches[label], spread(seconds[label], 1e3), spread([t / b for t, b in zip(seconds[label], base)],
                                                                          digits=2),
              f"{peaks[label] / 2**20:.1f}") for label in models]
-    print(f"5. Compiled: one S1 training step (ebt-s1-small's options, {args.chunks or CPU_CHUNKS} attention row "
-          f"chunk(s)), {args.rounds} interleaved rounds "
-          f"(min-median-max); inductor, fullgraph, the trainer's CPU kernel settings; target: compiled <= 0.7x "
-          "eager autograd")
+    print(f"5. Compiled: one {args.recipe.upper()} training step ({RECIPES[args.recipe]}'s options, "
+          f"{args.chunks or CPU_CHUNKS} attention row chunk(s)), {args.rounds} interleaved rounds "
+          f"(min-median-max); inductor, the trainer's CPU kernel settings; target: compiled <= 0.7x eager autograd")
     print_table(("step", "per step", "CPU ms", "/ eager autograd (per round)", "peak MiB"), rows)
     # where each step's time goes: what compiling leaves to the library and to unfused ATen ops
-    splits = {label: cpu_time_split(models[label], idx) for label in ("eager, first_order", "compiled, first_order")}
+    splits = {label: cpu_time_split(models[label], idx, step=step)
+              for label in ("eager, first_order", "compiled, first_order")}
     print_table(("step", "GEMMs (library)", "other ATen ops", "the rest (Python, wrappers, inductor's kernels)"),
                 [(label, *(f"{share:.2f}" for share in split.values())) for label, split in splits.items()])
     print(f"GEMM share of the eager first_order step (the floor of compiled / eager first_order): "
-          f"{splits['eager, first_order']['library']:.2f}; first compiled step {compile_seconds:.0f} s (wall)")
+          f"{splits['eager, first_order']['library']:.2f}; compiling took {compile_seconds:.0f} s (wall) "
+          f"over the first {WARMUP_STEPS[args.recipe]} step(s)")
 
 
 def main() -> None:
@@ -204,6 +234,7 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=None,
                         help=f"--compile: the two-stream attention's row chunks (default: the device's choice, "
                              f"{CPU_CHUNKS} on a CPU, 1 on a GPU)")
+    parser.add_argument("--recipe", choices=RECIPES, default="s1", help="--compile: the EBT recipe timed")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

@@ -155,13 +155,13 @@ LIBRARY_KERNELS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "ate
 attention forward and backward); prefixes of the profiler's op names."""
 
 
-def cpu_time_split(model, idx, steps: int = 3) -> dict[str, float]:
-    """Shares of the CPU time of `steps` training steps (the profiler's self times): in
-    `LIBRARY_KERNELS`, in the other ATen ops, and the rest: Python, autograd's and a compiled
-    step's wrappers, and inductor's generated kernels (which are no ATen ops)."""
+def cpu_time_split(model, idx, steps: int = 3, step=train_step) -> dict[str, float]:
+    """Shares of the CPU time of `steps` calls of `step` (a training step by default; the
+    profiler's self times): in `LIBRARY_KERNELS`, in the other ATen ops, and the rest: Python,
+    autograd's and a compiled step's wrappers, and inductor's generated kernels (no ATen ops)."""
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
-            train_step(model, idx)
+            step(model, idx)
     events = prof.key_averages()
     total = sum(e.self_cpu_time_total for e in events)
     library = sum(e.self_cpu_time_total for e in events if e.key.startswith(LIBRARY_KERNELS))
