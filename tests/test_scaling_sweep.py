@@ -1,10 +1,13 @@
 """Sweep definitions: expansion into run configs, validation, the Slurm array."""
 import json
 import subprocess
+from pathlib import Path
 
 import pytest
 import yaml
 
+from pretrain.config import from_dict
+from pretrain.config.validation import validate
 from pretrain.scaling import sweep as sweeps
 from pretrain.scaling.__main__ import main
 from pretrain.scaling.launch import write_slurm_array
@@ -209,7 +212,6 @@ def test_bad_budgets_axes_and_overrides_are_one_line_errors(tmp_path, tiny_datas
 
 def test_help_names_an_existing_sweep(capsys):
     import re
-    from pathlib import Path
 
     with pytest.raises(SystemExit):
         main(["run", "--help"])
@@ -224,6 +226,7 @@ def test_isoflop_experiment_sweep_expands(tiny_dataset, tmp_path):
         f"output_root={tmp_path}", f"data.path={tiny_dataset}", "data.seq_len=32",
         "data.source=null"])
     runs = sweeps.expand(sweep)
+    passes_the_trainers_checks(sweep, runs)
     assert len(runs) == 72 and len({r.cell for r in runs}) == 36
     assert {r.group for r in runs} == {"gpt", "nrgpt", "ebt", "transformer_pp"}
     for run in runs:
@@ -233,3 +236,28 @@ def test_isoflop_experiment_sweep_expands(tiny_dataset, tmp_path):
     # An EBT token costs several GPT tokens at the same width (the descent and its backward).
     fpt = {(r.group, r.size): r.flops_per_token for r in runs}
     assert 3 < fpt[("ebt", "w32")] / fpt[("transformer_pp", "w32")] < 6
+
+
+SHIPPED_SWEEPS = sorted((Path(__file__).resolve().parent.parent / "configs" / "scaling").glob("*.yaml"))
+
+
+def passes_the_trainers_checks(sweep: sweeps.Sweep, runs: list[sweeps.RunSpec]) -> None:
+    """Each run's config passes the checks `pretrain.train` makes before its first step: a GPU
+    sweep at the world size of its Slurm job, another at that of its local runs."""
+    slurm = sweep.slurm
+    for run in runs:
+        cfg = from_dict(run.config)
+        on_gpu = cfg.train.device == "cuda"
+        world_size = slurm.nodes * (slurm.procs_per_node or slurm.gpus_per_node) if on_gpu else sweep.nproc_per_node
+        validate(cfg, world_size, has_gpu=on_gpu)
+
+
+@pytest.mark.parametrize("path", SHIPPED_SWEEPS, ids=lambda p: p.name)
+def test_every_run_of_a_shipped_sweep_passes_the_trainers_checks(path):
+    """A sweep that the trainer refuses run by run fails at each launch, hours into a queue: the
+    OpenWebText EBT sweep compiled EBT-S1 (from its Transformer++ base config) with the double
+    backward, which validation refuses, in all nine EBT runs."""
+    sweep = sweeps.load_sweep(path)
+    if sweep.flops:
+        pytest.skip("compute budgets need the prepared dataset: test_isoflop_experiment_sweep_expands checks it")
+    passes_the_trainers_checks(sweep, sweeps.expand(sweep))
