@@ -22,7 +22,7 @@ import trainer_runs as runs
 from bench import gpu, gpu_cases
 from bench.precision import BF16_GRADIENT_ERRORS, GROUPS
 from pretrain.config import gpu_attention, load_config
-from pretrain.models import build, model_class, resolve
+from pretrain.models import build, resolve
 from pretrain.models.replay import replay_store_bytes
 from pretrain.training.planner import make_plan
 
@@ -95,11 +95,7 @@ def test_compilation_runs_as_each_config_sets_it_and_the_other_way(tiny_report):
         own = load_config(runs.REPO / config).model.compile
         cases = [c for c in plan if c.config == config]
         settings = [c.overrides[-1].removeprefix("model.compile=") for c in cases]
-        model_config = resolve(load_config(runs.REPO / config).model.flavor)
-        if model_class(model_config).compile_refusal(model_config):
-            assert settings == ["off"]  # EBT: the config check refuses compilation
-        else:
-            assert sorted(settings) == ["aot_eager", "off"]  # the CPU's stand-in for inductor
+        assert own != "off" and sorted(settings) == ["aot_eager", "off"]  # the CPU's stand-in for inductor
         for case, setting in zip(cases, settings):
             assert case.name.endswith(" (config)") == (setting == (own if own == "off" else "aot_eager"))
     for r in measured(report).values():
@@ -166,8 +162,8 @@ def test_the_bf16_gradient_tolerance_is_set_from_bench_precisions_figures():
 
 
 def test_cases_run_in_order_of_value_in_parts_whose_caps_fit_the_budget(tiny_report):
-    """The memory probe, the bf16 check, each flagship as its config sets it (compiled, but
-    EBT), the attention probe, each flagship the other way; packed into parts whose caps fit the
+    """The memory probe, the bf16 check, each flagship as its config sets it (compiled), the
+    attention probe, each flagship the other way; packed into parts whose caps fit the
     budget beside the worker's start-up and the reports' reserve, every flagship as configured
     within the first two (the two runs of one device session). A run of part 1 goes on into the
     later parts on the time left: in the tiny run, whose caps fill 4 parts, all of them ran."""
