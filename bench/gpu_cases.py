@@ -214,6 +214,9 @@ def measure_training(case: Case, settings: Settings, cap_s: float, result: dict)
             trainer.close(release_engine=True)
 
 
+BF16_CHECK_CONFIG = "configs/owt/ebt_s1_small.yaml"
+"""The config whose model options (its energy gradient) the bf16 check's flavor takes: the check
+tests the arithmetic that config trains."""
 ENERGY_HEAD = "descent.energy_head.weight"
 """EBT's energy head: its gradient comes only through the second-order backward."""
 BF16_MARGIN = 3.0
@@ -241,16 +244,19 @@ def check_bf16(case: Case, settings: Settings, cap_s: float, result: dict) -> No
     import copy
 
     import torch
+    from pretrain.config import load_config, typed_model_overrides
     from pretrain.models import build, resolve
 
     device = torch.device(settings.device)
     vocab = -(-settings.vocab_size // 64) * 64
-    config = resolve(case.flavor, {"vocab_size": vocab, "block_size": case.seq_len})
+    options = typed_model_overrides(load_config(REPO / BF16_CHECK_CONFIG))
+    config = resolve(case.flavor, {**options, "vocab_size": vocab, "block_size": case.seq_len})
     torch.manual_seed(0)
     reference = build(config).to(device).train()
     inputs, targets = next(synthetic_batches(case.micro_batch, case.seq_len, settings.vocab_size, pin=False))
     inputs, targets = inputs.to(device), targets.to(device)
-    result.update(flavor=case.flavor, micro_batch=case.micro_batch, seq_len=case.seq_len, n_layer=config.n_layer)
+    result.update(flavor=case.flavor, micro_batch=case.micro_batch, seq_len=case.seq_len, n_layer=config.n_layer,
+                  energy_gradient=config.energy_gradient)
 
     def loss_and_grads(model):
         model.zero_grad(set_to_none=True)

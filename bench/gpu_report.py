@@ -74,7 +74,8 @@ def bf16_line(r: dict) -> str:
     line = f"**{r['case']}** ({r['status']}"
     if "loss_rel_err" not in r:
         return line + f": {r.get('error', '')})."
-    return line + (f"): {r['n_layer']} layers, {r['micro_batch']} x {r['seq_len']} tokens; relative errors: loss "
+    return line + (f"): {r['n_layer']} layers, {r['micro_batch']} x {r['seq_len']} tokens, energy gradient "
+                   f"{r['energy_gradient']}; relative errors: loss "
                    f"{r['loss_rel_err']:.2e}, worst gradient {r['max_grad_rel_err']:.2e} "
                    f"({r['max_grad_rel_err_param']}), energy head {r['energy_head_grad_rel_err']:.2e}; tolerance "
                    f"{r['tolerance']['loss']:g} / {r['tolerance']['grads']:g} (reference loss "

@@ -141,6 +141,8 @@ def test_the_bf16_check_compares_loss_and_every_gradient_with_float32(tiny_repor
     check = next(c for c in report["cases"] if c["kind"] == "bf16_check")
     assert check["status"] == "ok" and check["pass"] and check["energy_head_grad_norm"] > 0
     assert check["n_layer"] == resolve("ebt-tiny").n_layer and check["tolerance"] == gpu_cases.bf16_tolerance()
+    # the arithmetic the S1 flagship trains
+    assert check["energy_gradient"] == load_config(runs.REPO / gpu_cases.BF16_CHECK_CONFIG).model.overrides["energy_gradient"]
     # it really ran in lower precision, and stayed within the stated tolerance
     assert 0 < check["loss_rel_err"] <= check["tolerance"]["loss"]
     assert 0 < check["energy_head_grad_rel_err"] <= check["max_grad_rel_err"] <= check["tolerance"]["grads"]
