@@ -18,7 +18,7 @@ Transformer++ and measures checkpointing memory):
    compiled step spend their time: in GEMMs (the floor of compiled / eager: inductor calls those
    kernels as they are), in other ATen ops (the compiled step's fallbacks), and the rest.
    `--recipe s2` times ebt-s2-small's options instead: 2-3 descent steps drawn per step as the
-   trainer draws them, and the replay store (its two calls run between the compiled graphs).
+   trainer draws them, and the replay store (which runs eagerly around the compiled descent).
 
     python -m bench.ebt [--width 256 --heads 4 --seq-len 256 --batch 4 --steps 4 --rounds 10] [--launches | --compile [--recipe s2]]
 """
@@ -190,7 +190,7 @@ def compiled_step(args, idx) -> None:
     autograd = build_model(recipe, args, energy_gradient="autograd", attention_chunks=args.chunks)
     first_order = build_model(recipe, args, energy_gradient="first_order", attention_chunks=args.chunks)
     compiled = copy.deepcopy(first_order)
-    compiled.compile(backend="inductor", fullgraph=args.recipe == "s1")  # S2: the replay store between graphs
+    compiled.compile(backend="inductor", fullgraph=True)
     models = {"eager, autograd": autograd, "eager, first_order": first_order, "compiled, first_order": compiled}
     step, code = DrawnStep(), []
     start = time.perf_counter()

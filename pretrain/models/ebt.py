@@ -198,10 +198,6 @@ class ThinkOutput(NamedTuple):
     """[steps, B, R] cross entropy per position after each step (chosen samples), given targets."""
 
 
-def new_anchor(device: torch.device) -> torch.Tensor:
-    return torch.zeros(0, device=device, requires_grad=True)
-
-
 def take_legacy_replay_buffers(model: EBT, state_dict: dict, prefix: str, *_) -> None:
     """Load-state hook: module state from before `ReplayStore` holds the replay buffer as buffers,
     which go into the model's store (in its layout) instead of being unexpected keys."""
@@ -266,25 +262,14 @@ class EBT(LanguageModel):
 
     def seed_shared_draws(self, seed: str) -> None:
         self.shared_draws = random.Random(seed)
-        self.next_num_steps = self.draw_num_steps()
-
-    def draw_num_steps(self) -> int:
-        cfg = self.config
-        return self.shared_draws.randint(cfg.min_steps, cfg.n_steps) if cfg.min_steps else cfg.n_steps
 
     def sample_num_steps(self) -> int:
         """Training: uniform in [min_steps, n_steps] when randomised (from the draws every rank
-        shares, not the global RNG); n_steps otherwise. Each count is drawn a call ahead (when
-        the draws are seeded, then by each eager call): dynamo cannot trace a draw from a
-        `random.Random`, so a compiled forward takes the count drawn for it, a module attribute
-        it compiles a graph per value of, and draws none (the trainer seeds the draws before
-        every forward)."""
-        if not (self.training and self.config.min_steps):
-            return self.config.n_steps
-        count = self.next_num_steps
-        if not torch.compiler.is_compiling():
-            self.next_num_steps = self.draw_num_steps()
-        return count
+        shares, not the global RNG); n_steps otherwise."""
+        cfg = self.config
+        if self.training and cfg.min_steps:
+            return self.shared_draws.randint(cfg.min_steps, cfg.n_steps)
+        return cfg.n_steps
 
     def sample_alpha_scale(self, rows: int, length: int, device: torch.device) -> torch.Tensor | None:
         """Training: a factor [rows, length, 1] uniform in [1/r, r] for the step size."""
@@ -303,6 +288,16 @@ class EBT(LanguageModel):
         return seeded_rng(self.config.eval_seed + 1, device) if noise_std else contextlib.nullcontext()
 
     # --- model interface ------------------------------------------------------------------
+
+    def compile(self, *args, **kwargs) -> None:
+        """torch.compile the descent (`EnergyDescent`), where the training step's work is, as
+        one graph per forward. The rest of the forward runs eagerly around it: the starting
+        noise, the replay store's bookkeeping (a ring position and slot lengths on the host,
+        which a graph would recompile for at every step) and the diagnostics. Static shapes
+        unless asked otherwise: the descent unrolls its step count, which dynamo would otherwise
+        make symbolic once it has seen two (S2), and a graph per count and batch size is
+        what a descent needs."""
+        self.descent.compile(*args, **{"dynamic": False, **kwargs})
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
                 return_energies: bool = False) -> ModelOutput:
@@ -323,15 +318,8 @@ class EBT(LanguageModel):
         if replay:
             all_idx, all_targets, candidate = self.replay_store.extend(idx, targets, candidate)
         learning = self.training and torch.is_grad_enabled()
-        # ZeRO-3's hook order (see `EnergyDescent.forward`). Dynamo cannot make a tensor that
-        # requires grad inside its graph: compiled, the anchor is made outside it (a graph break)
-        # only where a full backward hook waits on the descent, ZeRO-3's, whose other hooks break
-        # the graph anyway; otherwise the compiled backward is one node and has no order to keep
-        anchor = None
-        if learning and not torch.compiler.is_compiling():
-            anchor = new_anchor(idx.device)
-        elif learning and self.descent._backward_hooks:
-            anchor = torch.compiler.disable(new_anchor)(idx.device)
+        # ZeRO-3's hook order (see `EnergyDescent.forward`)
+        anchor = torch.zeros(0, device=idx.device, requires_grad=True) if learning else None
         noise_std = cfg.langevin_noise_std if self.training else self.eval_noise_std()
         with contextlib.nullcontext() if self.training else self.eval_noise_rng(noise_std, idx.device):
             result = self.descent(
@@ -380,7 +368,8 @@ class EBT(LanguageModel):
             targets = targets[:, T - rows:].repeat(best_of, 1)
         noise_std = self.eval_noise_std() if langevin_noise is None else \
             (self.config.langevin_noise_std if langevin_noise else 0.0)
-        with self.eval_noise_rng(noise_std, idx.device):
+        # a compiled descent thinks eagerly: each decoded length or step count would be a graph
+        with self.eval_noise_rng(noise_std, idx.device), torch.compiler.set_stance("force_eager"):
             result = self.descent(idx.repeat(best_of, 1), candidate, steps, targets=targets,
                                   noise_std=noise_std, final_energy=True, cache=cache,
                                   stop_tolerance=stop_tolerance, langevin=langevin)

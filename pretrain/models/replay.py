@@ -85,9 +85,6 @@ class ReplayStore:
         self.next = 0
         """The slot the next row goes to: the oldest row once the ring is full."""
 
-    # The store's bookkeeping is host-side Python (the ring position, each slot's length): a
-    # compiled model runs it eagerly between its graphs rather than compile again at every step.
-    @torch.compiler.disable
     def extend(self, idx: torch.Tensor, targets: torch.Tensor, candidate: torch.Tensor):
         """(idx, targets [B, T], candidate [B, T, V]) followed by round(replay_fraction x B) stored
         rows of the same length, drawn at random, starting from their stored candidates."""
@@ -124,7 +121,6 @@ class ReplayStore:
         rest = rest - math.log(self.config.vocab_size - self.top_k)
         return {"top_logp": top.values, "top_ids": top.indices, "rest_logp": rest}
 
-    @torch.compiler.disable
     @torch.no_grad()
     def store(self, idx: torch.Tensor, targets: torch.Tensor, final_candidate: torch.Tensor) -> None:
         """Write the last rows of a batch (as many as the ring holds) over the oldest rows:

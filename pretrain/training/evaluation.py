@@ -154,10 +154,11 @@ def evaluate(engine, val_loader, settings: EvalSection, device: torch.device, se
     thinks = family_spec(model.config).thinks
     devices = [device.index or 0] if device.type == "cuda" else []
     engine.eval()
-    # A thinking model's forward starts from noise drawn by a generator it seeds per call, which
-    # dynamo cannot trace, and which a compiled graph would replace by inductor's own random
-    # numbers: compiled, it evaluates eagerly (as its `think` calls run anyway), so its
-    # evaluation is the eager one's
+    # A thinking model's evaluation draws its noise from generators it seeds per call, so that
+    # it is reproducible; in a compiled graph (the descent's Langevin noise) inductor would draw
+    # its own random numbers instead, and the eval forward would be another graph to compile:
+    # compiled, it evaluates eagerly (as its `think` calls run anyway), so its evaluation is the
+    # eager one's
     eagerly = thinks and engine.is_compiled
     try:
         with (torch.random.fork_rng(devices=devices),
