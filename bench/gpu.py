@@ -5,11 +5,11 @@ start-up included:
 - each family's flagship config (configs/owt) at its own micro-batch, with its own ZeRO,
   precision and bucket settings, one process, on synthetic tokens of the real vocabulary:
   tokens/s, MFU, peak memory; with `model.compile` as the config sets it and the other way for
-  the configs whose model allows it (EBT-S2's differentiates inside its forward);
+  the configs whose model allows it (all of them: EBT's set the first-order energy gradient);
 - which SDPA kernel each run's attention took (the profiler's record of the op the dispatcher
   picked) next to what `pretrain.models.sdpa` predicts (`pretrain.config.gpu_attention`);
 - EBT-S2's memory at its micro-batch with the replay store filled, against `pretrain.plan`'s
-  figure for one GPU;
+  figure for one GPU (eagerly, as the plan counts it);
 - EBT's second-order numerics at paper depth (12 layers, T=1024): loss and every gradient in
   bf16 against a float32 reference.
 
@@ -73,7 +73,9 @@ ATTENTION_PROBE = ("configs/owt/nrgpt_ff2w_126m.yaml", "nrgpt-tiny")
 """The config whose attention kernel matters most (NRGPT's full heads, head dim 1024, beyond
 flash), trained without compilation, and its tiny flavor."""
 MEMORY_PROBE = ("configs/owt/ebt_s2_small.yaml", "ebt-s2-tiny")
-"""The config whose memory is measured with its replay store filled, and its tiny flavor."""
+"""The config whose memory is measured with its replay store filled, and its tiny flavor. It runs
+eagerly: `pretrain.plan` counts the eager step's activations, and compiling S2's graphs (one per
+step count and batch size) would take more than the probe's cap."""
 BF16_CHECK = {"gpu": ("ebt-s1-small", 2, 1024), "tiny": ("ebt-tiny", 2, 64)}
 """(flavor, micro-batch, T) of the bf16 check: paper depth (12 layers) and context on the GPU."""
 COMPILE_BACKEND = {"gpu": "inductor", "tiny": "aot_eager"}
@@ -143,8 +145,8 @@ def case_plan(tiny: bool) -> list[Case]:
                         caps["train" if setting == "off" else "compiled"], config,
                         shrink(tiny_flavor) + [f"model.compile={setting}"])
             (as_set if setting == own else the_other_way).append(case)
-    return [Case(f"{Path(probe_config).stem} replay store filled", "train", caps["memory"], probe_config,
-                 shrink(probe_tiny), fill_replay_store=True),
+    return [Case(f"{Path(probe_config).stem} replay store filled (compile=off)", "train", caps["memory"],
+                 probe_config, shrink(probe_tiny) + ["model.compile=off"], fill_replay_store=True),
             Case(f"{flavor} bf16 vs fp32", "bf16_check", caps["bf16_check"], flavor=flavor,
                  micro_batch=micro_batch, seq_len=seq_len),
             *as_set,

@@ -1,7 +1,7 @@
-"""torch.compile, on (inductor) in the OpenWebText configs of the families without double
-backward and of EBT-S1 with its first-order energy gradient: each family's training forward is
-one graph, its compiled loss and gradients equal eager's up to float rounding, and a compiled run
-resumes with the uninterrupted run's losses (NRGPT and EBT)."""
+"""torch.compile, on (inductor) in every OpenWebText config, EBT's with its first-order energy
+gradient (the descent compiled): each family's training forward is one graph, its compiled loss
+and gradients equal eager's up to float rounding, and a compiled run resumes with the
+uninterrupted run's losses (NRGPT and EBT)."""
 from __future__ import annotations
 
 import copy
@@ -35,8 +35,8 @@ TINY = {
 """One tiny model per family that the OpenWebText configs compile."""
 
 EBT_FIRST_ORDER = {"ebt": ("ebt-tiny", {"energy_gradient": "first_order", "n_layer": 1})}
-"""EBT (S1) with the first-order energy gradient, which compiles (as the OpenWebText S1 configs
-set it; the S2 configs keep the autograd gradient, eager)."""
+"""EBT (S1) with the first-order energy gradient, which compiles (as the OpenWebText EBT configs
+set it)."""
 
 VARIANTS = {
     "nrgpt exact (explicit scores, self term)": ("nrgpt-tiny", {"grad_mode": "exact"}, False),
@@ -89,21 +89,16 @@ def training_step(model, idx, return_energies=False) -> torch.Tensor:
 
 
 def test_openwebtext_configs_compile_every_family_without_double_backward():
-    """Every OpenWebText config whose model compiles is compiled: each family's, EBT-S1's with its
-    first-order energy gradient (faster compiled on a CPU, docs/benchmarks.md "EBT compiled");
-    EBT-S2's keep the double backward, eager (compiled, it was not faster beyond noise)."""
+    """Every OpenWebText config compiles: each family's, EBT's with its first-order energy
+    gradient (S1 and S2 faster compiled on a CPU, docs/benchmarks.md "EBT compiled")."""
     compiled = set()
     for path in sorted(CONFIGS.glob("*.yaml")):
         cfg = load_config(path)
         model_config = resolve(cfg.model.flavor, typed_model_overrides(cfg))
         refused = model_class(model_config).compile_refusal(model_config)
         assert cfg.model.compile == ("off" if refused else "inductor"), path.name
-        family = cfg.model.flavor.split("-")[0]
-        if cfg.model.compile != "off":
-            compiled.add(cfg.model.flavor if family == "ebt" else family)
-        else:
-            assert cfg.model.flavor == "ebt-s2-small", path.name
-    assert compiled == set(TINY) | {"ebt-s1-small"}
+        compiled.add(cfg.model.flavor.split("-")[0])
+    assert compiled == set(TINY) | {"ebt"}
 
 
 def compiled_step_equals_eager(family: str, **overrides) -> list[str]:
@@ -306,7 +301,7 @@ def overlap_comment(path: Path) -> str:
 def test_overlap_comm_comments_say_when_a_compiled_model_reduces():
     """A compiled model's backward is one node (AOTAutograd's) that returns every gradient at its
     end, so ZeRO-2's reduce-scatters follow the whole backward: overlap_comm overlaps them with
-    each other, not with backward compute, which it does for an eager model (EBT-S2), whose
+    each other, not with backward compute, which it does for an eager model, whose
     gradients come from many nodes as backward proceeds. Each OpenWebText config's comment
     says which (docs/design.md, "ZeRO for 85-127M models"). The structure is AOTAutograd's for
     every backend: aot_eager stands in for inductor, without code generation."""
@@ -329,4 +324,4 @@ def test_overlap_comm_comments_say_when_a_compiled_model_reduces():
             assert count > 1 and "while backward continues" in comment, (path.name, count, comment)
         else:
             assert count == 1 and "after the backward" in comment, (path.name, count, comment)
-    assert set(producers) == {(family, "inductor") for family in TINY | {"ebt": None}} | {("ebt", "off")}
+    assert set(producers) == {(family, "inductor") for family in TINY | {"ebt": None}}
