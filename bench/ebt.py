@@ -171,9 +171,9 @@ WARMUP_STEPS = {"s1": 1, "s2": 5}
 
 
 class DrawnStep:
-    """A training step that first seeds the model's shared draws as the trainer does, from the
-    number of steps that model has taken: every contender draws the same step counts (a
-    compiled S2 forward draws none itself)."""
+    """A training step that first seeds the model's shared draws, as the trainer does before every
+    forward, from the number of steps that model has taken: every contender draws the same step
+    counts."""
 
     def __init__(self):
         self.taken = collections.Counter()
