@@ -310,7 +310,7 @@ def test_overlap_comm_comments_say_when_a_compiled_model_reduces():
         cfg = load_config(path)
         family = cfg.model.flavor.split("-")[0]
         if (family, cfg.model.compile) not in producers:
-            flavor, overrides = TINY.get(family, ("ebt-tiny", {}))
+            flavor, overrides = (TINY | EBT_FIRST_ORDER)[family]
             torch.manual_seed(0)
             shape = dict(vocab_size=64, block_size=16)
             model = build(resolve(flavor, shape | overrides | typed_model_overrides(cfg))).train()
