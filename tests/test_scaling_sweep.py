@@ -6,8 +6,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pretrain.config import from_dict
-from pretrain.config.validation import validate
 from pretrain.scaling import sweep as sweeps
 from pretrain.scaling.__main__ import main
 from pretrain.scaling.launch import write_slurm_array
@@ -91,6 +89,12 @@ def test_tokens_per_parameter_budget_and_warmup_share(tmp_path):
     ({"overrides": {"train.global_batch_size": 16, "schedule.warmup_steps": 300}},
      "sweep sw, run sw-gpt-w32-t100k: train.max_tokens=100000 (196 steps of 512 tokens) ends the run before "
      "schedule.warmup_steps=300"),
+    # and as the trainer will check it at launch, at the launch's world size
+    ({"families": {"ebt": {"flavor": "ebt-tiny", "overrides": {"model.compile": "inductor"}}}},
+     "sweep sw, run sw-ebt-w32-t100k (1 process): model.compile='inductor': flavor ebt-tiny: its energy "
+     "gradient (energy_gradient='autograd') differentiates inside the forward"),
+    ({"nproc_per_node": 3}, "sweep sw, run sw-gpt-w32-t100k (3 processes): train.global_batch_size=16: 3 "
+                            "processes cannot share it evenly"),
 ])
 def test_bad_sweeps_are_one_line_errors(tmp_path, change, message, capsys):
     path = _sweep_file(tmp_path, **change)
@@ -137,6 +141,13 @@ def test_configs_index_and_slurm_array(tmp_path, tiny_dataset, capsys):
         f"launch/slurm.sbatch {sweep.directory / 'slurm_runs.txt'}")
     assert subprocess.run(["bash", "-n", str(sweep.directory / "submit.sh")]).returncode == 0
     assert write_slurm_array(sweep, []) is None
+    # A job array is checked at its jobs' world size: 3 nodes of 8 GPUs cannot share a batch of
+    # 16, which 8 processes (one node) could. Nothing is written over the last array.
+    capsys.readouterr()
+    assert main(["run", str(path), "--slurm", "slurm.nodes=3"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "(24 processes): train.global_batch_size=16: 24 processes cannot" in err
+    assert (sweep.directory / "submit.sh").read_text() == submit
 
 
 def test_flops_budgets_and_axes(tmp_path, tiny_dataset, capsys):
@@ -242,14 +253,9 @@ SHIPPED_SWEEPS = sorted((Path(__file__).resolve().parent.parent / "configs" / "s
 
 
 def passes_the_trainers_checks(sweep: sweeps.Sweep, runs: list[sweeps.RunSpec]) -> None:
-    """Each run's config passes the checks `pretrain.train` makes before its first step: a GPU
-    sweep at the world size of its Slurm job, another at that of its local runs."""
-    slurm = sweep.slurm
-    for run in runs:
-        cfg = from_dict(run.config)
-        on_gpu = cfg.train.device == "cuda"
-        world_size = slurm.nodes * (slurm.procs_per_node or slurm.gpus_per_node) if on_gpu else sweep.nproc_per_node
-        validate(cfg, world_size, has_gpu=on_gpu)
+    """The checks `run` makes before any run starts (`check_runs`): a GPU sweep's at the world
+    size of its Slurm job, another's at that of its local runs."""
+    sweeps.check_runs(sweep, runs, slurm=runs[0].config["train"]["device"] == "cuda")
 
 
 @pytest.mark.parametrize("path", SHIPPED_SWEEPS, ids=lambda p: p.name)

@@ -20,8 +20,10 @@ from pretrain.config import (DECAY_SETS, RESUME_MODES, ConfigError, RunConfig, S
 from pretrain.config.precision import PRECISION_SETTINGS
 
 
-def validate(cfg: RunConfig, world_size: int, has_gpu: bool) -> None:
-    """Raise ConfigError for values and combinations that cannot run on this machine."""
+def validate(cfg: RunConfig, world_size: int, has_gpu: bool, cautions: bool = True) -> None:
+    """Raise ConfigError for values and combinations that cannot run on this machine; print the
+    cautions of a run that can (unless `cautions` is False: a sweep checks its runs ahead of
+    their launch, which prints them)."""
     def require(ok: bool, key: str, message: str):
         if not ok:
             raise ConfigError(f"{key}={get_key(cfg, key)!r}: {message}")
@@ -121,9 +123,11 @@ def validate(cfg: RunConfig, world_size: int, has_gpu: bool) -> None:
     if not hasattr(model_config, "activation_checkpointing"):
         require(cfg.model.activation_checkpointing in (None, "off"), "model.activation_checkpointing",
                 f"flavor {cfg.model.flavor} has no activation checkpointing")
-    cautions = [text for text in (short_warmup(cfg), dynamics_without_descent(cfg, model_config)) if text]
+    if not cautions:
+        return
+    warnings = [text for text in (short_warmup(cfg), dynamics_without_descent(cfg, model_config)) if text]
     if int(os.environ.get("RANK", "0")) == 0:  # every rank validates; one line each is enough
-        for warning in cautions:
+        for warning in warnings:
             print(f"warning: {warning}", file=sys.stderr, flush=True)
 
 

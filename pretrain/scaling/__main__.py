@@ -72,7 +72,7 @@ def _run(args) -> int:
     # A local launch prepares what the configs can prepare; a job array needs every dataset
     # in place (one preparation, not one per task); a dry run only looks.
     datasets = "peek" if args.dry_run else "check" if args.slurm else "prepare"
-    planned = launch.plan(sweep, datasets)
+    planned = launch.plan(sweep, datasets, slurm=args.slurm)
     if args.slurm:
         script = launch.write_slurm_array(sweep, [p for _, p in launch.unfinished(sweep, planned)])
         print(f"job array written; submit with: bash {script}" if script else "nothing to submit")

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from common.cli import Stopped
-from pretrain.scaling.sweep import RunSpec, Sweep, expand, is_finished, write_run_configs
+from pretrain.scaling.sweep import RunSpec, Sweep, check_runs, expand, is_finished, write_run_configs
 
 class SweepFailed(RuntimeError):
     """Some run of a sweep did not finish."""
@@ -22,10 +22,12 @@ REQUEUE_EXIT_CODE = 75
 """The trainer's exit code after a preemption signal: the run saved a checkpoint to resume from."""
 
 
-def plan(sweep: Sweep, datasets: str = "peek") -> list[tuple[RunSpec, Path]]:
-    """Expand the sweep (`datasets`: see `sweep.DATASETS`), write every run's config and print
-    the plan; return (run, config path) for every run, finished or not."""
+def plan(sweep: Sweep, datasets: str = "peek", slurm: bool = False) -> list[tuple[RunSpec, Path]]:
+    """Expand the sweep (`datasets`: see `sweep.DATASETS`), check its runs as the trainer will at
+    launch (`slurm`: in a job array, else here), write every run's config and print the plan;
+    return (run, config path) for every run, finished or not."""
     runs = expand(sweep, datasets)
+    check_runs(sweep, runs, slurm)
     planned = list(zip(runs, write_run_configs(sweep, runs)))
     n_done = sum(is_finished(sweep, r) for r in runs)
     print(f"sweep {sweep.name}: {len(runs)} runs, {n_done} finished, {len(runs) - n_done} to "

@@ -124,6 +124,13 @@ class Sweep:
     def directory(self) -> Path:
         return Path(self.output_root) / self.name
 
+    def world_size(self, slurm: bool) -> int:
+        """Trainer processes of each run: with `slurm`, its job's nodes times their processes
+        (counted as launch/slurm.sbatch counts them); else `nproc_per_node`, a local launch."""
+        if not slurm:
+            return self.nproc_per_node
+        return self.slurm.nodes * (self.slurm.procs_per_node or self.slurm.gpus_per_node or 1)
+
 
 @dataclass(frozen=True)
 class RunSpec:
@@ -283,9 +290,10 @@ def dataset_manifest(data, datasets: str, where: str) -> dict | None:
 
 def expand(sweep: Sweep, datasets: str = "peek") -> list[RunSpec]:
     """Every run of the sweep, in a stable order (group, size, axis values, budget). Each run's
-    config is the trainer's own `load_config(base, overrides)`, so it is checked as the trainer
-    checks it. `datasets`: see DATASETS; compute budgets need the manifest (the vocabulary sets
-    the readout's FLOPs), so with `flops` every dataset is checked."""
+    config is the trainer's own `load_config(base, overrides)`, so it is read as the trainer
+    reads it (`check_runs` makes the trainer's checks at a launch's world size). `datasets`: see
+    DATASETS; compute budgets need the manifest (the vocabulary sets the readout's FLOPs), so
+    with `flops` every dataset is checked."""
     from pretrain.config import to_dict
 
     if sweep.flops and datasets == "peek":
@@ -327,6 +335,28 @@ def expand(sweep: Sweep, datasets: str = "peek") -> list[RunSpec]:
     if len(set(names)) != len(names):
         raise ValueError(f"sweep {sweep.name}: two cells share a run name; make labels unique")
     return runs
+
+
+def check_runs(sweep: Sweep, runs: list[RunSpec], slurm: bool) -> None:
+    """Refuse the sweep if the trainer would refuse one of its runs at launch (`validate`, at the
+    world size of a `slurm` job or of a local launch): a job array's refused run would fail hours
+    into the queue, a local sweep's after the runs before it. A run may train on a GPU where
+    it says so (`train.device: cuda`), where the job asks for GPUs, or locally where one is."""
+    import torch
+
+    from pretrain.config import ConfigError, from_dict
+    from pretrain.config.validation import validate
+
+    world_size = sweep.world_size(slurm)
+    gpu_nodes = sweep.slurm.gpus_per_node > 0 if slurm else torch.cuda.is_available()
+    for run in runs:
+        cfg = from_dict(run.config)
+        has_gpu = cfg.train.device == "cuda" or gpu_nodes
+        try:
+            validate(cfg, world_size, has_gpu, cautions=False)
+        except ConfigError as err:
+            raise ValueError(f"sweep {sweep.name}, run {run.run_name} ({world_size} process"
+                             f"{'es' * (world_size != 1)}): {err}") from None
 
 
 def _run_config(base: str, overrides: dict[str, Any], where: str):
