@@ -19,8 +19,9 @@ start-up included:
     bench/gpu.sh --dry-run [ARGS]                        # the plan and the wheels it needs; no GPU
 
 The cases, in order of value (`case_plan`), are packed into parts whose caps fit the budget
-(`parts`): `--part N` runs part N's cases, each sure to get its whole cap, then the later parts'
-on the time those leave unused. One worker process runs them in turn, each under a time
+(`parts`): `--part N` runs part N's cases, each sure to get its whole cap and free to use what
+the part's earlier cases left unused (a first compile may take longer on one machine than on
+another), then the later parts' on the time left. One worker process runs them in turn, each under a time
 cap that an alarm signal enforces inside it. This process schedules and reports: a hang inside a
 CUDA call or a compile, which no signal handler reaches, or a crash of the worker still leaves a
 report, because this process kills a worker that overruns a case's cap, reports that case, and
@@ -49,7 +50,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from bench.gpu_cases import REPO, Case, Settings, on_alarm, run_case
+from bench.gpu_cases import REPO, Case, Settings, case_cap, on_alarm, run_case
 from bench.gpu_report import GIB, markdown, summary_line, write_reports
 from common.cli import (STOP_SIGNALS, ArgumentParser, Stopped, positive_int, run_command, signals_held,
                         stop_signals_raising)
@@ -87,9 +88,10 @@ CASE_CAPS_S = {
 }
 """Time cap of one case (engine build, compilation, warmup, timed steps) by what it runs. A
 compiled case's inductor compiles two graphs (forward, backward) and transformer_pp's a third,
-11-13 s each on a cold cache (docs/benchmarks.md). EBT-S1's graph is larger (on a CPU, at
-the same 4 layers, inductor took 113 s for it): whether 80 s holds its compile on a GPU is one
-of the things the run finds out. At these caps every flagship as configured fits two 300 s runs
+11-13 s each on a cold cache (docs/benchmarks.md). EBT-S1's graph is larger (on the 2-core
+CPU, at its 12 layers, inductor took 160 s for it, 65 s of that tracing and lowering, which a GPU
+host runs too): whether 80 s holds its compile on a GPU is one of the things the run finds out,
+and as part 1's last case it may also take what the cases before it leave. At these caps every flagship as configured fits two 300 s runs
 (`parts`). --tiny's compiled EBT traces in about 14 s on an idle 2-core CPU: 60 s leaves a
 loaded host twice that and more, and one cap for every tiny case keeps its parts in the plan's
 order."""
@@ -176,8 +178,8 @@ def describe_plan(packed: list[list[Case]], budget_s: float) -> str:
             for n, run in enumerate(packed, 1) for case in run]
     return (f"{sum(map(len, packed))} cases in {len(packed)} part(s) of a {budget_s:.0f} s budget each "
             f"({MIN_START_S:.0f} s for the worker's start-up and {REPORT_RESERVE_S:.0f} s for the reports "
-            f"kept): `--part N` gives each of part N's cases its whole cap, then runs the later parts' "
-            f"cases on the time those leave unused.\n\n" + markdown_table(rows, {"cap s": ".0f"}))
+            f"kept): `--part N` gives each of part N's cases its whole cap and what the part's earlier "
+            f"cases left unused, then runs the later parts' cases on the time left.\n\n" + markdown_table(rows, {"cap s": ".0f"}))
 
 
 def environment(device: str) -> dict:
@@ -235,7 +237,7 @@ def worker() -> int:
                 if left < MIN_CASE_S:
                     emit({"case": case.name, "status": "skipped", "error": "run budget spent"})
                     continue
-                cap_s = min(case.cap_s, left)
+                cap_s = case_cap(case, left)
                 emit({"start": case.name, "cap_s": cap_s})
                 started = time.perf_counter()
                 emit({"case": case.name, **run_case(case, settings, cap_s)})
@@ -385,7 +387,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --part {args.part}: the plan has {len(packed)} part(s) at a {budget:.0f} s budget",
               file=sys.stderr)
         return 2
-    plan = [case for run in packed[args.part - 1:] for case in run]
+    chosen = packed[args.part - 1]
+    plan = [dataclasses.replace(case, kept_for_later_s=sum(c.cap_s for c in chosen[n + 1:]))
+            for n, case in enumerate(chosen)] + [case for run in packed[args.part:] for case in run]
     if args.device == "cuda" and not _has_cuda():
         print("error: no CUDA device is visible; use --device cpu --tiny for the CPU smoke test", file=sys.stderr)
         return 2
@@ -408,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
             for key, names in record["imported"].items():
                 report["imported"][key] = sorted(set(report["imported"].get(key, [])) | set(names))
         elif "start" in record:
-            results[record["start"]]["status"] = "running"
+            results[record["start"]].update(status="running", cap_s=record["cap_s"])
             print(f"[{time.monotonic() - start:5.0f} s] {record['start']}", flush=True)
         else:
             results[record["case"]].update(record)

@@ -40,6 +40,17 @@ class Case:
     """bf16_check: sequences in the batch."""
     seq_len: int = 0
     """bf16_check: tokens per sequence."""
+    kept_for_later_s: float | None = None
+    """A case of the part being run: the caps of that part's cases after it, the time it leaves
+    them; it may take the rest, which is its cap and what the part's earlier cases left unused.
+    None: a case of a later part, run on the time left, at most its cap (`case_cap`)."""
+
+
+def case_cap(case: Case, left_s: float) -> float:
+    """The time `case` may take with `left_s` seconds to the run's deadline."""
+    if case.kept_for_later_s is None:
+        return min(case.cap_s, left_s)
+    return min(left_s, max(case.cap_s, left_s - case.kept_for_later_s))
 
 
 @dataclass

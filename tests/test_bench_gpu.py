@@ -186,9 +186,27 @@ def test_cases_run_in_order_of_value_in_parts_whose_caps_fit_the_budget(tiny_rep
 
     report, _ = tiny_report
     tiny = gpu.case_plan(tiny=True)
-    assert len(gpu.parts(tiny, report["budget_s"])) > 1
+    first, *later = gpu.parts(tiny, report["budget_s"])
+    assert later
     assert {c["status"] for c in measured(report).values()} == {"ok"}
     assert len(report["cases"]) == len(tiny)
+    # part 1's case (one at the tiny caps) may take what the later parts' cases would get
+    caps = {c.name: c.cap_s for c in tiny}
+    assert all(c["cap_s"] >= caps[c["case"]] for c in report["cases"] if c["case"] in {c.name for c in first})
+    assert all(c["cap_s"] <= caps[c["case"]] for c in report["cases"] if c["case"] not in {c.name for c in first})
+
+
+def test_a_case_of_the_part_run_may_take_what_its_earlier_cases_left_unused():
+    """The case's cap against the time left: a case of a later part gets at most its cap; one of
+    the part being run also what the earlier cases of its part left (here 30 s), but never the
+    caps kept for the cases after it in its part (here 100 s)."""
+    later_part = gpu.Case("b", "train", 80.0)
+    assert gpu_cases.case_cap(later_part, 200.0) == 80.0
+    assert gpu_cases.case_cap(later_part, 50.0) == 50.0
+    in_part = gpu.Case("a", "train", 80.0, kept_for_later_s=100.0)
+    assert gpu_cases.case_cap(in_part, 210.0) == 110.0
+    assert gpu_cases.case_cap(in_part, 150.0) == 80.0  # earlier cases overran: still its own cap
+    assert gpu_cases.case_cap(in_part, 60.0) == 60.0
 
 
 def test_the_dry_run_prints_the_wheels_and_the_plan_without_a_gpu():
