@@ -1,7 +1,8 @@
 """Worker of test_models_ebt.py's DeepSpeed test, run under `torchrun --nproc_per_node=2`:
-trains a tiny EBT (S1, step-checkpointed descent, and S2 with its random step counts) for a few
-steps under ZeRO-2 and ZeRO-3 in the same two processes and writes every step's loss and each
-rank's descent step counts, per stage and recipe, to the JSON file named by argv[1] (rank 0)."""
+trains a tiny EBT (S1, step-checkpointed descent with either energy gradient, and S2 with its
+random step counts) for a few steps under ZeRO-2 and ZeRO-3 in the same two processes and writes
+every step's loss and each rank's descent step counts, per stage and recipe, to the JSON file
+named by argv[1] (rank 0)."""
 import gc
 import json
 import sys
@@ -14,6 +15,8 @@ from pretrain.models import build, resolve
 
 RECIPES = {
     "s1-step-checkpointed": ("ebt-tiny", dict(activation_checkpointing="step")),
+    "s1-first-order-step-checkpointed": ("ebt-tiny", dict(activation_checkpointing="step",
+                                                          energy_gradient="first_order")),
     "s2": ("ebt-s2-tiny", {}),
 }
 SHAPE = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16)

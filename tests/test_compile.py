@@ -55,6 +55,10 @@ VARIANTS = {
         "ebt-tiny", {"energy_gradient": "first_order", "time_embed": True, "reuse_observed_stream": False}, False),
     "ebt first-order block checkpointing": ("ebt-tiny", {"energy_gradient": "first_order",
                                                          "activation_checkpointing": "block"}, False),
+    "ebt first-order step checkpointing": ("ebt-tiny", {"energy_gradient": "first_order",
+                                                        "activation_checkpointing": "step"}, False),
+    "ebt-s2 first-order step checkpointing (Langevin noise, replay)": (
+        "ebt-s2-tiny", {"energy_gradient": "first_order", "activation_checkpointing": "step"}, False),
     "ebt first-order, one attention row chunk (a GPU's default)": ("ebt-tiny", {"energy_gradient": "first_order",
                                                                                 "attention_chunks": 1}, False),
 }
@@ -212,6 +216,30 @@ def test_ebt_s2_compiles_its_descent_as_one_graph_with_the_replay_store_around_i
             assert torch.equal(q.grad, p.grad), (step, name)
         graphs.append(counters["stats"]["unique_graphs"])
     assert counts == {2, 3} and graphs[-1] == graphs[4] and not counters["graph_break"], graphs
+
+
+def test_step_checkpointed_ebt_s2_recomputes_the_langevin_noise_its_forward_drew():
+    """Step checkpointing recomputes each descent step in the backward. Compiled by inductor,
+    whose random numbers are its own, the recompute must see the noise the forward drew: EBT-S2
+    compiled with and without step checkpointing has the same loss, and gradients that agree to
+    float32 rounding (other noise in the recompute would change them at the first digits)."""
+    torch.manual_seed(0)
+    options = dict(vocab_size=64, block_size=16, n_layer=1, energy_gradient="first_order", replay_buffer_size=0)
+    plain = build(resolve("ebt-s2-tiny", options)).train()
+    checkpointed = build(resolve("ebt-s2-tiny", dict(options, activation_checkpointing="step"))).train()
+    checkpointed.load_state_dict(plain.state_dict())
+    idx = torch.randint(0, 64, (2, 16))
+    losses = []
+    for model in (plain, checkpointed):
+        model.compile(backend="inductor", fullgraph=True)
+        model.seed_shared_draws("3")
+        torch.manual_seed(1)
+        out = model(idx, torch.roll(idx, -1, dims=1))
+        out.loss.backward()
+        losses.append(out.loss.detach())
+    assert torch.equal(*losses)
+    for (name, p), q in zip(plain.named_parameters(), checkpointed.parameters()):
+        assert torch.allclose(q.grad, p.grad, rtol=1e-4, atol=1e-5 * p.grad.abs().max().item()), name
 
 
 @pytest.mark.parametrize("flavor", ["gpt-tiny", "nrgpt-tiny"])

@@ -873,7 +873,7 @@ def test_zero3_gives_the_zero2_losses_through_the_second_order_descent(tmp_path)
                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads(out.read_text())
-    for recipe in ("s1-step-checkpointed", "s2"):
+    for recipe in ("s1-step-checkpointed", "s1-first-order-step-checkpointed", "s2"):
         zero2, zero3 = results[f"{recipe}/zero2"]["losses"], results[f"{recipe}/zero3"]["losses"]
         assert len(zero2) == 3 and len(set(zero2)) == 3  # the updates change the model
         assert zero3 == pytest.approx(zero2, rel=1e-5), recipe

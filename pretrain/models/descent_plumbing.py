@@ -29,7 +29,8 @@ class StepSettings(NamedTuple):
 
 
 class CheckpointedStep(torch.autograd.Function):
-    """Activation checkpointing of one descent step, a function that calls autograd.grad.
+    """Activation checkpointing of one descent step, a function that calls autograd.grad (EBT
+    with its double-backward energy gradient; the first-order one takes torch's checkpoint).
 
     Forward runs the step without its second-order graph and keeps only the step's inputs;
     backward reruns it with the graph (same random numbers) and backpropagates. torch's

@@ -244,7 +244,12 @@ class EnergyDescent(nn.Module):
                 second_order = learning and (t == n_steps - 1 or not cfg.truncate_loss)
                 settings = StepSettings(first_row=first_row, noise_std=noise_std, second_order=second_order,
                                         keep_graph=keep_graph)
-                if checkpointed:
+                if checkpointed and cfg.energy_gradient == "first_order":
+                    # no autograd.grad inside the step: torch's checkpoint keeps what
+                    # CheckpointedStep keeps, and torch.compile traces it into the descent's graph
+                    y, energy, step_losses = maybe_checkpoint(True, self.step, y, step_observed, targets, alpha,
+                                                              settings)
+                elif checkpointed:
                     y, energy, step_losses = CheckpointedStep.apply(
                         self.step, settings, 2 * len(step_observed), targets, y, alpha,
                         *(tensor for kv in step_observed for tensor in kv),
