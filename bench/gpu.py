@@ -21,8 +21,8 @@ start-up included:
 The cases, in order of value (`case_plan`), are packed into parts whose caps fit the budget
 (`parts`): `--part N` runs part N's cases, each sure to get its whole cap and free to use what
 the part's earlier cases left unused (a first compile may take longer on one machine than on
-another), then the later parts' on the time left. One worker process runs them in turn, each under a time
-cap that an alarm signal enforces inside it. This process schedules and reports: a hang inside a
+another), then the later parts' on the time left. One worker process runs them in turn, each
+under a time cap that an alarm signal enforces inside it. This process schedules and reports: a hang inside a
 CUDA call or a compile, which no signal handler reaches, or a crash of the worker still leaves a
 report, because this process kills a worker that overruns a case's cap, reports that case, and
 starts another worker for the cases after it while the budget allows. DIR/gpu.json and
@@ -91,10 +91,10 @@ compiled case's inductor compiles two graphs (forward, backward) and transformer
 11-13 s each on a cold cache (docs/benchmarks.md). EBT-S1's graph is larger (on the 2-core
 CPU, at its 12 layers, inductor took 160 s for it, 65 s of that tracing and lowering, which a GPU
 host runs too): whether 80 s holds its compile on a GPU is one of the things the run finds out,
-and as part 1's last case it may also take what the cases before it leave. At these caps every flagship as configured fits two 300 s runs
-(`parts`). --tiny's compiled EBT traces in about 14 s on an idle 2-core CPU: 60 s leaves a
-loaded host twice that and more, and one cap for every tiny case keeps its parts in the plan's
-order."""
+and as part 1's last case it may also take what the cases before it leave. At these caps every
+flagship as configured fits two 300 s runs (`parts`). --tiny's compiled EBT traces in about 14 s
+on an idle 2-core CPU: 60 s leaves a loaded host twice that and more, and one cap for every tiny
+case keeps its parts in the plan's order."""
 BUDGET_S = {"gpu": 300.0, "tiny": 150.0}
 """Default wall-clock budget of a whole run, start-up included."""
 STARTUP_S = 90.0
@@ -179,7 +179,8 @@ def describe_plan(packed: list[list[Case]], budget_s: float) -> str:
     return (f"{sum(map(len, packed))} cases in {len(packed)} part(s) of a {budget_s:.0f} s budget each "
             f"({MIN_START_S:.0f} s for the worker's start-up and {REPORT_RESERVE_S:.0f} s for the reports "
             f"kept): `--part N` gives each of part N's cases its whole cap and what the part's earlier "
-            f"cases left unused, then runs the later parts' cases on the time left.\n\n" + markdown_table(rows, {"cap s": ".0f"}))
+            f"cases left unused, then runs the later parts' cases on the time left.\n\n"
+            + markdown_table(rows, {"cap s": ".0f"}))
 
 
 def environment(device: str) -> dict:
