@@ -19,17 +19,26 @@ Transformer++ and measures checkpointing memory):
    kernels as they are), in other ATen ops (the compiled step's fallbacks), and the rest.
    `--recipe s2` times ebt-s2-small's options instead: 2-3 descent steps drawn per step as the
    trainer draws them, and the replay store (which runs eagerly around the compiled descent).
+6. The compile cache (`--compile-cache`, this section alone): the wall time of the first compiled
+   S1 step in a fresh process with an empty inductor cache, as a requeued job on another node
+   starts: from nothing (twice, before and after), and after loading the compile cache the
+   first process saved (`pretrain.training.engine.load_compile_cache`, as the trainer does).
 
-    python -m bench.ebt [--width 256 --heads 4 --seq-len 256 --batch 4 --steps 4 --rounds 10] [--launches | --compile [--recipe s2]]
+    python -m bench.ebt [--width 256 --heads 4 --seq-len 256 --batch 4 --steps 4 --rounds 10] [--launches | --compile [--recipe s2] | --compile-cache]
 """
 from __future__ import annotations
 
 import collections
 import copy
 import functools
+import multiprocessing
+import os
 import re
 import statistics
+import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 
 import torch
 from torch._inductor.utils import run_and_get_code
@@ -42,7 +51,7 @@ from bench.models import (Contender, add_shape_arguments, build_contender, cpu_t
                           seconds_per_round, seconds_per_step, train_step)
 from common.cli import ArgumentParser, run_command
 from pretrain.models.ebt_attention import CPU_CHUNKS, default_chunks
-from pretrain.training.engine import compiled_cpu_kernel_settings
+from pretrain.training.engine import compiled_cpu_kernel_settings, load_compile_cache, save_compile_cache
 
 BASELINE = Contender("transformer_pp", "transformer_pp-tiny")
 TRAINING = [
@@ -226,6 +235,44 @@ def compiled_step(args, idx) -> None:
           f"over the first {WARMUP_STEPS[args.recipe]} step(s)")
 
 
+def first_compiled_step(args, cache_file: Path, load: bool) -> tuple[float, str | None]:
+    """Run in a process of its own: the wall time of a first compiled S1 step (the trainer's CPU
+    settings), after loading `cache_file` if `load`, else saving it after the step; and the
+    load's report line."""
+    torch.set_num_threads(args.threads)
+    loaded = load_compile_cache(cache_file) if load else None
+    compiled_cpu_kernel_settings()
+    model = build_model(Contender("ebt S1", RECIPES["s1"]), args, energy_gradient="first_order",
+                        attention_chunks=args.chunks)
+    model.compile(backend="inductor", fullgraph=True)
+    torch.manual_seed(0)
+    idx = torch.randint(0, args.vocab, (args.batch, args.seq_len))
+    start = time.perf_counter()
+    train_step(model, idx)
+    seconds = time.perf_counter() - start
+    if not load:
+        save_compile_cache(cache_file)
+    return seconds, loaded
+
+
+def compile_cache(args) -> None:
+    """Three fresh processes in turn, each with an empty inductor cache of its own."""
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-compile-cache-") as tmp:
+        cache_file = Path(tmp, "compile_cache.bin")
+        for job, load in (("cold, saves the cache", False), ("loads the cache", True), ("cold again", False)):
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(dir=tmp)  # read by the child at its start
+            with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as child:
+                seconds, loaded = child.submit(first_compiled_step, args, cache_file, load).result()
+            rows.append([job, f"{seconds:.1f}", loaded.split(" from ")[0] if loaded else ""])
+    cold = statistics.mean(float(rows[i][1]) for i in (0, 2))
+    for row in rows:
+        row.insert(2, f"{float(row[1]) / cold:.2f}")
+    print(f"6. The compile cache: the first compiled S1 step ({RECIPES['s1']}'s options, {args.chunks or CPU_CHUNKS} "
+          "attention row chunk(s)) of a fresh process with an empty inductor cache, wall time")
+    print_table(("process", "first step s", "/ cold (mean)", "loaded"), rows)
+
+
 def main() -> None:
     parser = ArgumentParser(prog="python -m bench.ebt", description=__doc__.split("\n")[0])
     add_shape_arguments(parser)  # --steps: the number of layers here
@@ -235,6 +282,8 @@ def main() -> None:
                         help=f"--compile: the two-stream attention's row chunks (default: the device's choice, "
                              f"{CPU_CHUNKS} on a CPU, 1 on a GPU)")
     parser.add_argument("--recipe", choices=RECIPES, default="s1", help="--compile: the EBT recipe timed")
+    parser.add_argument("--compile-cache", action="store_true",
+                        help="only the first compiled step with and without the compile cache (section 6)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -246,6 +295,9 @@ def main() -> None:
         return
     if args.compile:
         compiled_step(args, idx)
+        return
+    if args.compile_cache:
+        compile_cache(args)
         return
     executed_flops(args, idx)
     thinking_costs(args, idx)

@@ -20,7 +20,8 @@ import trainer_runs as runs
 from numerics import assert_rounding_close
 from pretrain.config import load_config, typed_model_overrides
 from pretrain.models import build, model_class, resolve
-from pretrain.training.engine import compiled_cpu_kernel_settings
+from pretrain.training.engine import (COMPILE_CACHE_FILE, compiled_cpu_kernel_settings, load_compile_cache,
+                                      save_compile_cache)
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "owt"
 
@@ -309,12 +310,14 @@ resumes from its own files."""
 
 
 @pytest.mark.parametrize("family", COMPILED_RUNS)
-def test_compiled_run_resumes_with_the_uninterrupted_losses(family):
+def test_compiled_run_resumes_with_the_uninterrupted_losses(family, tmp_path, monkeypatch):
     """A trainer run with model.compile=inductor (ZeRO-2, fp32 on CPU) resumed from its middle
     checkpoint logs the uninterrupted run's losses bit for bit: both compile the same graphs
     (EBT-S2's first step, with its replay store still empty, has a batch of its own, which the
     resumed run does not compile), and the engine has inductor's CPU kernels sum in a fixed
-    order. Each run starts with dynamo reset, as a requeued job's fresh process would."""
+    order. Each run starts with dynamo reset, as a requeued job's fresh process would, and the
+    resumed one with an empty inductor cache, as on another node: it generates no graph, but
+    takes each from the compile cache the first run saved beside its checkpoints."""
     name = f"compiled-{family}"
     overrides = [*COMPILED_RUNS[family], "model.compile=inductor", "train.max_steps=6",
                  "checkpoint.interval=3", "eval.interval=0", "eval.sample_tokens=0"]
@@ -324,13 +327,34 @@ def test_compiled_run_resumes_with_the_uninterrupted_losses(family):
     assert graphs >= 1 and not counters["graph_break"]
     torch._dynamo.reset()
     counters.clear()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "another-node"))
     resumed = runs.train_here([*overrides, f"run_name={name}-resumed",
                                f"resume={runs.run_dir(name)}/ckpt/step_{3:08d}"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert counters["stats"]["unique_graphs"] == graphs - (family == "ebt_s2") and not counters["graph_break"]
+    assert f"compiled graph(s) from {runs.run_dir(name) / COMPILE_CACHE_FILE}" in resumed.stdout
+    assert counters["inductor"]["fxgraph_cache_hit"] >= 1 and not counters["inductor"]["fxgraph_cache_miss"]
     reference = runs.scalars(name, "train/loss")
     assert sorted(reference) == list(range(1, 7))
     assert runs.scalars(f"{name}-resumed", "train/loss") == {step: reference[step] for step in range(4, 7)}
+
+
+def test_a_compile_cache_is_kept_whole_and_one_that_cannot_be_used_costs_only_the_head_start(tmp_path, capsys):
+    """The compile cache a job saves gives the next one its graphs; one that cannot be read (not
+    torch's, or not a file) is reported in a line and the job generates its graphs itself, and
+    one that cannot be written (no such directory, as a full disk) leaves the file that was."""
+    path = tmp_path / COMPILE_CACHE_FILE
+    assert load_compile_cache(path) is None  # a run's first job
+    torch.compile(lambda x: x * 2 + 1, backend="inductor")(torch.ones(4))
+    save_compile_cache(path)
+    assert load_compile_cache(path).startswith("compile cache: ")
+    kept = path.read_bytes()
+    save_compile_cache(tmp_path / "gone" / COMPILE_CACHE_FILE)
+    assert "the compiled graphs were not saved" in capsys.readouterr().err
+    assert path.read_bytes() == kept and not (tmp_path / "gone").exists()
+    path.write_bytes(b"not a compile cache")
+    assert "is not a compile cache this torch reads" in load_compile_cache(path)
+    assert "not read" in load_compile_cache(tmp_path)
 
 
 def gradient_producers(model, idx) -> int:

@@ -12,10 +12,12 @@ import socket
 import sys
 import warnings
 from datetime import timedelta
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from common.fileio import atomic_write
 from pretrain.config import ConfigError, RunConfig, batch_split
 from pretrain.config.precision import Precision
 
@@ -312,6 +314,44 @@ def use_current_collectives() -> None:
                                ("reduce_scatter_function", "reduce_scatter_single")):
         if hasattr(dist, current) and getattr(backend, attribute, None) is not None:
             setattr(backend, attribute, getattr(dist, current))
+
+
+COMPILE_CACHE_FILE = "compile_cache.bin"
+"""In a run's directory: the graphs that torch.compile generated for the run, which its next job
+loads (`load_compile_cache`) instead of generating them again."""
+
+
+def load_compile_cache(path: Path) -> str | None:
+    """Hands inductor's local cache the graphs that an earlier job of the run saved to `path`
+    (`save_compile_cache`), so that a requeued job, on whatever node, skips code generation for
+    each graph it compiles again (at EBT-S1's bench shape on a CPU: its first step in 0.47 of
+    the time, docs/benchmarks.md).
+    One file, read whole, rather than a cache directory on the shared filesystem, whose file
+    locks some cluster filesystems do not honour. An entry of another torch, device or
+    instruction set is keyed apart and never used. Returns the line to report, None without
+    the file; a file that cannot be read is reported, and the job compiles from nothing."""
+    try:
+        info = torch.compiler.load_cache_artifacts(path.read_bytes())
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return f"warning: {path} not read ({e.strerror}): the compiled graphs are generated again"
+    if info is None:
+        return f"warning: {path} is not a compile cache this torch reads: the compiled graphs are generated again"
+    return f"compile cache: {len(info.inductor_artifacts)} compiled graph(s) from {path}"
+
+
+def save_compile_cache(path: Path) -> None:
+    """Writes the graphs this process's torch.compile generated or found in its cache to `path`
+    (atomically; nothing when there are none). A failed write (a full disk) warns and leaves
+    the previous file: the next job then generates more itself."""
+    saved = torch.compiler.save_cache_artifacts()
+    if saved is None:
+        return
+    try:
+        atomic_write(path, lambda tmp: tmp.write_bytes(saved[0]))
+    except OSError as e:
+        print(f"warning: {path}: the compiled graphs were not saved ({e.strerror})", file=sys.stderr, flush=True)
 
 
 def compiled_cpu_kernel_settings() -> None:

@@ -27,9 +27,9 @@ from pretrain.config import (ConfigError, RunConfig, batch_split, describe_atten
 from pretrain.config.precision import resolve_precision
 from pretrain.models import build, family_name, family_spec
 from pretrain.training.checkpoint import CheckpointManager, ResumeState, data_identity
-from pretrain.training.engine import (configure_device_math, deepspeed_config, distributed_env, initialize,
-                                      seed_process, time_out_every_group, training_device,
-                                      use_current_collectives)
+from pretrain.training.engine import (COMPILE_CACHE_FILE, configure_device_math, deepspeed_config, distributed_env,
+                                      initialize, load_compile_cache, save_compile_cache, seed_process,
+                                      time_out_every_group, training_device, use_current_collectives)
 from pretrain.training.evaluation import EvalResult, evaluate, evaluate_downstream
 from pretrain.training.faults import Faults
 from pretrain.training.flops import peak_tflops
@@ -95,6 +95,10 @@ class Trainer:
             self.val_loader = build_loader(data.path, "val", micro_batch_size=self.split.micro_batch_size,
                                            seed=cfg.seed, shuffle=False, num_workers=0, repeat=False)
         self._continue_from(self.checkpoints.load(self.engine))
+        if cfg.model.compile != "off" and self.checkpoints.resumed_run_dir is not None:
+            # before the first compiled call: the graphs of the resumed run's last job that ended
+            loaded = load_compile_cache(self.checkpoints.resumed_run_dir / COMPILE_CACHE_FILE)
+            self.resume_notes += [loaded] if loaded else []
 
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -168,6 +172,14 @@ class Trainer:
                                         asdict(self.model_config), self.data)
         self.metrics.print(f"saved checkpoint {tag_dir.name}")
 
+    def keep_compiled_graphs(self) -> None:
+        """Rank 0 saves the graphs this job compiled or found in its cache for the run's next job
+        (`load_compile_cache`), once, as the job ends: torch 2.13 reads back only the last batch of
+        a process's graphs that `save_cache_artifacts` appends at each call. A job that is killed
+        outright saves none: the next one generates them again."""
+        if self.rank == 0 and self.cfg.model.compile != "off":
+            save_compile_cache(self.run_dir / COMPILE_CACHE_FILE)
+
     def _continue_from(self, resumed: ResumeState | None, reload: bool = False) -> None:
         """Take up the run where `resumed` left it (None: a fresh start); a `reload` after
         non-finite updates goes back in progress but keeps counting skips, reloads and time."""
@@ -231,6 +243,7 @@ class Trainer:
                 last_eval = step
             if result.stop:
                 self.save()
+                self.keep_compiled_graphs()
                 self.metrics.print(f"stopping at step {step} on {self.stops.cause()}: checkpoint saved, exit "
                                    f"code {EXIT_PREEMPTED}; rerun the same command to resume")
                 self.metrics.close()
@@ -243,6 +256,7 @@ class Trainer:
             self.run_eval()
         if last_save != self.state.step and not self.checkpoints.has(self.state.step):
             self.save()
+        self.keep_compiled_graphs()  # the final evaluation's graphs too
         self.write_summary()
         self.metrics.close()
         return 0

@@ -255,6 +255,12 @@ class CheckpointManager:
         self.resume_from = (candidate, marker, universal)
         return candidate
 
+    @property
+    def resumed_run_dir(self) -> Path | None:
+        """The directory of the run whose checkpoint this one resumes (its own, or another's with
+        resume=PATH); None for a fresh start."""
+        return None if self.resume_from is None else self.resume_from[0].parent.parent
+
     def _move_run_aside(self) -> None:
         """resume=restart: rank 0 renames an existing run directory to RUN_DIR.replaced-TIME
         (never deleting anything); every rank waits for it."""
