@@ -1,7 +1,7 @@
 """Interrupted runs on 2 processes: kill -9 mid-training and resume; an interrupted checkpoint
 write is skipped; SIGUSR1 (Slurm's warning) saves and exits with the requeue code under an
 srun-style launch. Each resumed run must reproduce the uninterrupted matrix run's per-step
-losses exactly."""
+losses exactly. A preempted compiled run leaves its compiled graphs to the requeued job."""
 from __future__ import annotations
 
 import os
@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import trainer_runs as runs
+from pretrain.training.engine import COMPILE_CACHE_FILE
 from pretrain.training.stopping import EXIT_PREEMPTED
 
 
@@ -77,6 +78,26 @@ def test_kill_9_during_training_then_resume(matrix, tmp_path):
     assert f"resuming at step {int(newest.name[5:])}" in result.stdout
     assert (marker(name, runs.N_STEPS)).exists() and (broken / "complete.json").exists()
     assert_same_losses(name, family, stage)
+
+
+def test_a_preempted_compiled_run_leaves_its_graphs_to_the_requeued_job(tmp_path):
+    """SIGTERM (torchrun's, as when Slurm preempts the job) stops a compiled run with its
+    checkpoint saved, and rank 0 saves the graphs the job compiled beside it; the requeued job,
+    with an empty inductor cache as on other nodes, loads them before its first step."""
+    name = "preempted-compiled"
+    overrides = runs.run_overrides("gpt", 2) + [f"run_name={name}", "model.compile=inductor"]
+    with Runs(tmp_path) as started:
+        proc = started.start(runs.train_command(overrides), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "first-nodes"))
+        wait_for(marker(name, runs.CKPT_INTERVAL), proc)
+        proc.send_signal(signal.SIGTERM)
+        ((code, out, err),) = started.finish([proc])
+        assert code != 0 and "on SIGTERM: checkpoint saved, exit code 75" in out, err[-3000:]
+        cache = runs.run_dir(name) / COMPILE_CACHE_FILE
+        assert cache.stat().st_size > 0
+        ((code, out, err),) = started.finish([started.start(runs.train_command(overrides),
+                                                            TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "other-nodes"))])
+    assert code == 0, err[-3000:]
+    assert "resuming at step" in out and f"compiled graph(s) from {cache}" in out
 
 
 def kill_tree(proc: subprocess.Popen) -> None:
