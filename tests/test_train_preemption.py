@@ -81,21 +81,22 @@ def test_kill_9_during_training_then_resume(matrix, tmp_path):
 
 
 def test_a_preempted_compiled_run_leaves_its_graphs_to_the_requeued_job(tmp_path):
-    """SIGTERM (torchrun's, as when Slurm preempts the job) stops a compiled run with its
+    """SIGTERM (as Slurm sends it to a preempted job's processes) stops a compiled run with its
     checkpoint saved, and rank 0 saves the graphs the job compiled beside it; the requeued job,
-    with an empty inductor cache as on other nodes, loads them before its first step."""
+    with an empty inductor cache as on other nodes, loads them before its first step. One
+    process: only rank 0 writes the file, and every rank compiles the same graphs."""
     name = "preempted-compiled"
     overrides = runs.run_overrides("gpt", 2) + [f"run_name={name}", "model.compile=inductor"]
+    command = runs.train_command(overrides, nproc=1)
     with Runs(tmp_path) as started:
-        proc = started.start(runs.train_command(overrides), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "first-nodes"))
+        proc = started.start(command, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "first-nodes"))
         wait_for(marker(name, runs.CKPT_INTERVAL), proc)
         proc.send_signal(signal.SIGTERM)
         ((code, out, err),) = started.finish([proc])
         assert code != 0 and "on SIGTERM: checkpoint saved, exit code 75" in out, err[-3000:]
         cache = runs.run_dir(name) / COMPILE_CACHE_FILE
         assert cache.stat().st_size > 0
-        ((code, out, err),) = started.finish([started.start(runs.train_command(overrides),
-                                                            TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "other-nodes"))])
+        ((code, out, err),) = started.finish([started.start(command, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "other-nodes"))])
     assert code == 0, err[-3000:]
     assert "resuming at step" in out and f"compiled graph(s) from {cache}" in out
 
