@@ -324,8 +324,8 @@ loads (`load_compile_cache`) instead of generating them again."""
 def load_compile_cache(path: Path) -> str | None:
     """Hands inductor's local cache the graphs that an earlier job of the run saved to `path`
     (`save_compile_cache`), so that a requeued job, on whatever node, skips code generation for
-    each graph it compiles again (at EBT-S1's bench shape on a CPU: its first step in 0.47 of
-    the time, docs/benchmarks.md).
+    each graph it compiles again (EBT-S1's first step on a CPU in 0.34-0.47 of the time,
+    docs/benchmarks.md).
     One file, read whole, rather than a cache directory on the shared filesystem, whose file
     locks some cluster filesystems do not honour. An entry of another torch, device or
     instruction set is keyed apart and never used. Returns the line to report, None without
