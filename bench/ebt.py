@@ -235,12 +235,12 @@ def compiled_step(args, idx) -> None:
           f"over the first {WARMUP_STEPS[args.recipe]} step(s)")
 
 
-def first_compiled_step(args, cache_file: Path, load: bool) -> tuple[float, str | None]:
+def first_compiled_step(args, cache_file: Path, use: str) -> tuple[float, str | None]:
     """Run in a process of its own: the wall time of a first compiled S1 step (the trainer's CPU
-    settings), after loading `cache_file` if `load`, else saving it after the step; and the
-    load's report line."""
+    settings), with `cache_file` used as `use` says ("load" before the step, "save" after it, or
+    "none"); and the load's report line."""
     torch.set_num_threads(args.threads)
-    loaded = load_compile_cache(cache_file) if load else None
+    loaded = load_compile_cache(cache_file) if use == "load" else None
     compiled_cpu_kernel_settings()
     model = build_model(Contender("ebt S1", RECIPES["s1"]), args, energy_gradient="first_order",
                         attention_chunks=args.chunks)
@@ -250,7 +250,7 @@ def first_compiled_step(args, cache_file: Path, load: bool) -> tuple[float, str 
     start = time.perf_counter()
     train_step(model, idx)
     seconds = time.perf_counter() - start
-    if not load:
+    if use == "save":
         save_compile_cache(cache_file)
     return seconds, loaded
 
@@ -260,10 +260,10 @@ def compile_cache(args) -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-compile-cache-") as tmp:
         cache_file = Path(tmp, "compile_cache.bin")
-        for job, load in (("cold, saves the cache", False), ("loads the cache", True), ("cold again", False)):
+        for job, use in (("cold, saves the cache", "save"), ("loads the cache", "load"), ("cold again", "none")):
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(dir=tmp)  # read by the child at its start
             with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as child:
-                seconds, loaded = child.submit(first_compiled_step, args, cache_file, load).result()
+                seconds, loaded = child.submit(first_compiled_step, args, cache_file, use).result()
             rows.append([job, f"{seconds:.1f}", loaded.split(" from ")[0] if loaded else ""])
     cold = statistics.mean(float(rows[i][1]) for i in (0, 2))
     for row in rows:

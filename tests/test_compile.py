@@ -86,9 +86,12 @@ def fresh_dynamo():
     torch.compiler.config.cache_key_tag = cache_key_tag
 
 
-def training_step(model, idx, return_energies=False) -> torch.Tensor:
+def training_step(model, idx, return_energies=False, autocast=False) -> torch.Tensor:
+    """One forward and backward; `autocast`: the forward under bf16 autocast, the backward
+    outside, as DeepSpeed's engine runs them."""
     torch.manual_seed(1)
-    loss = model(idx, torch.roll(idx, -1, dims=1), return_energies=return_energies).loss
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = model(idx, torch.roll(idx, -1, dims=1), return_energies=return_energies).loss
     loss.backward()
     return loss.detach()
 
@@ -174,19 +177,6 @@ def test_a_cache_filled_on_another_cpu_instruction_set_is_not_used():
     assert int(other_cpu.stdout.split()[-1]) == 0
 
 
-def bf16_training_step(precision: str, model, idx) -> torch.Tensor:
-    """`training_step` as a GPU's bf16 runs it, on the CPU: "bf16" (the model cast, as
-    DeepSpeed's bf16) or "bf16-autocast" (the forward under autocast, the backward outside, as
-    DeepSpeed's engine)."""
-    if precision == "bf16":
-        return training_step(model.to(torch.bfloat16), idx, return_energies=True)
-    torch.manual_seed(1)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = model(idx, torch.roll(idx, -1, dims=1), return_energies=True).loss
-    loss.backward()
-    return loss.detach()
-
-
 @pytest.mark.parametrize("precision", ["bf16", "bf16-autocast"])
 def test_first_order_ebt_compiles_whole_and_as_accurate_in_a_gpus_precision(precision):
     """A GPU trains the OpenWebText EBT configs in bf16 (precision auto). Their descent, with the
@@ -204,7 +194,9 @@ def test_first_order_ebt_compiles_whole_and_as_accurate_in_a_gpus_precision(prec
     idx = torch.randint(0, 64, (2, 16))
     losses = {"float32": training_step(reference, idx, return_energies=True)}
     for name, model in (("eager", eager), ("compiled", compiled)):
-        losses[name] = bf16_training_step(precision, model, idx).float()
+        # "bf16": the model cast, as DeepSpeed's bf16 runs it
+        losses[name] = training_step(model.to(torch.bfloat16) if precision == "bf16" else model, idx,
+                                     return_energies=True, autocast=precision == "bf16-autocast").float()
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
 
     def error(value, exact):
