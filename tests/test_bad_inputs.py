@@ -151,7 +151,6 @@ CASES = {
     "resume=never over checkpoints": (check("run_name=done", "resume=never"), "resume=restart moves it aside"),
     "model differs from checkpoint": (check("run_name=done", "model.flavor=nrgpt-tiny"), "differs from the checkpoint"),
     "seq_len differs from checkpoint": (check("run_name=done", "data.seq_len=16"), "differs from the checkpoint"),
-    "compile differs from checkpoint": (check("run_name=done", "model.compile=inductor"), "differs from the checkpoint"),
     "flavor redefined since the checkpoint": (check("run_name=redefined"),
                                               "gives n_embd 32 (checkpoint: 48), not the model of checkpoint"),
     "flavor redefined, overridden wrongly": (check("run_name=redefined", "model.overrides.n_embd=64"),

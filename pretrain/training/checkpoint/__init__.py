@@ -53,13 +53,14 @@ from pretrain.training.runlock import RunLock, hold_run
 
 
 def check_same_model(cfg: RunConfig, tag_dir: Path, marker: Marker) -> None:
-    """Refuse to resume checkpoint `tag_dir` as another model: the same flavor, compile
-    setting and seq_len, and the same model config as the checkpoint's (the flavor with
-    `model.overrides`, against the checkpoint's own vocabulary: the data's is checked with the
-    data). A flavor whose definition changed since the checkpoint was saved (nrgpt-ff2w-126m was
-    D = 1020) resumes with overrides that give the checkpoint's model back."""
+    """Refuse to resume checkpoint `tag_dir` as another model: the same flavor and seq_len, and
+    the same model config as the checkpoint's (the flavor with `model.overrides`, against the
+    checkpoint's own vocabulary: the data's is checked with the data). A flavor whose definition
+    changed since the checkpoint was saved (nrgpt-ff2w-126m was D = 1020) resumes with overrides
+    that give the checkpoint's model back. `model.compile` may change: a model is compiled in
+    place, so its checkpoint is the eager model's (`_changes_since` says so on the console)."""
     new_run = "start a new run (another run_name, or resume=restart to move this one aside)"
-    for key in ("model.flavor", "model.compile", "data.seq_len"):
+    for key in ("model.flavor", "data.seq_len"):
         before, now = get_key(marker.config, key), get_key(cfg, key)
         if before != now:
             raise ConfigError(f"{key}={now!r} differs from the checkpoint {tag_dir} ({before!r}); {new_run}")
@@ -400,7 +401,7 @@ class CheckpointManager:
         self._restore_rank_state(engine, tag_dir, train_state["step"], same_world)
         dealt = self._restore_states(engine, tag_dir, marker.world_size)
         loader_state = client_state["loader"]
-        notes = self._layout_changes(marker, universal, loader_state, train_state) if describe else []
+        notes = self._changes_since(marker, universal, loader_state, train_state) if describe else []
         if describe:
             notes += dealt
         if describe and marker.data is not None and self.cfg.data.allow_change and loader_state is not None:
@@ -449,10 +450,10 @@ class CheckpointManager:
             dealt.append(state.deal(saved, saved_world, self.rank, self.world_size, device))
         return dealt
 
-    def _layout_changes(self, marker: Marker, universal: bool, loader_state: dict,
-                        train_state: dict) -> list[str]:
+    def _changes_since(self, marker: Marker, universal: bool, loader_state: dict,
+                       train_state: dict) -> list[str]:
         """One console line per change since the checkpoint was written (world size, ZeRO stage,
-        global batch), saying what happens to the state, the data and the schedule."""
+        global batch, compilation), saying what happens to the state, the data and the schedule."""
         notes = []
         cfg, saved = self.cfg, marker.config
         position = f"sample {loader_state['sample_in_epoch']} of epoch {loader_state['epoch']}"
@@ -471,6 +472,11 @@ class CheckpointManager:
                          f"{train_state['step']}: the data continues at {position} of the same order "
                          "(no sample repeated or skipped); the learning-rate schedule stays a function of "
                          f"the step, not rescaled for the batch; the run ends at step {total}")
+        if cfg.model.compile != saved.model.compile:
+            # e.g. a compiled run that fails on a new GPU or compiler continues eagerly
+            notes.append(f"model.compile changed from {saved.model.compile} to {cfg.model.compile} at step "
+                         f"{train_state['step']}: the same weights, optimizer state and data position; "
+                         "the losses continue within rounding of the unchanged run's, not bit for bit")
         return notes
 
 
