@@ -331,30 +331,37 @@ def test_compiled_run_resumes_with_the_uninterrupted_losses(family, tmp_path, mo
     assert runs.scalars(f"{name}-resumed", "train/loss") == {step: reference[step] for step in range(4, 7)}
 
 
-def test_a_run_switches_between_compiled_and_eager_at_a_resume():
-    """A model is compiled in place, so its checkpoint is the eager model's: a compiled run that
-    fails on a new GPU or compiler continues eagerly from its checkpoint (`model.compile=off`), and
-    an eager one compiled, each with a line saying so. EBT-S1 (first order, compiled as the
-    OpenWebText configs compile it) resumed eagerly at step 2, and that run's step-4 checkpoint
-    compiled again: their losses are those of the run compiled throughout up to rounding, which a
-    lost optimizer state, data position or schedule would move by orders of magnitude more."""
-    overrides = [*COMPILED_RUNS["ebt"], "checkpoint.interval=2", "train.max_steps=6", "eval.interval=0",
-                 "eval.sample_tokens=0"]
-    compiled = runs.train_here([*overrides, "model.compile=aot_eager", "run_name=switch"])
-    assert compiled.returncode == 0, compiled.stderr[-3000:]
-    eager = runs.train_here([*overrides, "model.compile=off", "run_name=switch-eager",
+def test_a_resume_may_change_how_the_model_computes():
+    """A model is compiled in place, so its checkpoint is the eager model's: a compiled run that a
+    new GPU or compiler trips continues eagerly from its checkpoint (`model.compile=off`), and an
+    eager one compiled. So may a resume change the other fields that choose how the same model
+    computes (`EXECUTION_FIELDS`: activation checkpointing for GPUs with less memory, EBT's
+    attention chunks and energy gradient), each change named on the console. EBT-S1 compiled
+    (first order, as the OpenWebText configs run it), resumed at step 2 eagerly with autograd's
+    double backward, checkpointed blocks and one row chunk, and that run's step-4 checkpoint
+    compiled again: their losses are those of the run compiled throughout up to rounding, which
+    a lost optimizer state, data position or schedule would move by orders of magnitude more."""
+    common = ["model.flavor=ebt-tiny", "model.overrides.n_layer=1", "checkpoint.interval=2", "train.max_steps=6",
+              "eval.interval=0", "eval.sample_tokens=0"]
+    compiled = [*common, "model.overrides.energy_gradient=first_order", "model.compile=aot_eager"]
+    reference = runs.train_here([*compiled, "run_name=switch"])
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    eager = runs.train_here([*common, "model.overrides.energy_gradient=autograd", "model.overrides.attention_chunks=1",
+                             "model.activation_checkpointing=block", "model.compile=off", "run_name=switch-eager",
                              f"resume={runs.run_dir('switch')}/ckpt/step_{2:08d}"])
     assert eager.returncode == 0, eager.stderr[-3000:]
-    assert "model.compile changed from aot_eager to off at step 2: the same weights" in eager.stdout
-    again = runs.train_here([*overrides, "model.compile=aot_eager", "run_name=switch-again",
+    assert ("changed at step 2: activation_checkpointing off -> block, attention_chunks None -> 1, energy_gradient "
+            "first_order -> autograd, model.compile aot_eager -> off: how the model computes") in eager.stdout
+    again = runs.train_here([*compiled, "run_name=switch-again",
                              f"resume={runs.run_dir('switch-eager')}/ckpt/step_{4:08d}"])
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "model.compile changed from off to aot_eager at step 4: the same weights" in again.stdout
-    reference = runs.scalars("switch", "train/loss")
+    assert ("changed at step 4: activation_checkpointing block -> off, attention_chunks 1 -> None, energy_gradient "
+            "autograd -> first_order, model.compile off -> aot_eager: how") in again.stdout
+    losses = runs.scalars("switch", "train/loss")
     switched = {**runs.scalars("switch-eager", "train/loss"), **runs.scalars("switch-again", "train/loss")}
     assert sorted(switched) == [3, 4, 5, 6]
     assert_rounding_close(torch.tensor([switched[step] for step in range(3, 7)]),
-                          torch.tensor([reference[step] for step in range(3, 7)]))
+                          torch.tensor([losses[step] for step in range(3, 7)]))
 
 
 def test_a_compile_cache_is_kept_whole_and_one_that_cannot_be_used_costs_only_the_head_start(tmp_path, capsys):

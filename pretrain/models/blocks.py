@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, ClassVar
 
 import torch
 import torch.nn as nn
@@ -105,6 +105,10 @@ class LMConfig:
     init_std: float = 0.02
     """Standard deviation of the normal initialisation of linear and embedding weights (residual
     output projections get init_std / sqrt(2 depth))."""
+
+    EXECUTION_FIELDS: ClassVar[tuple[str, ...]] = ("activation_checkpointing",)
+    """The fields that choose how the model computes, not what it computes or which parameters
+    and buffers it has: a resume may change them (e.g. checkpointing on for GPUs with less memory)."""
 
     @property
     def sdpa_head_dim(self) -> int | None:

@@ -33,7 +33,7 @@ import contextlib
 import copy
 import random
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, ClassVar, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -135,6 +135,9 @@ class EBTConfig(LlamaConfig):
     energy head at init_std / alpha; "authors": the released code's Xavier-normal for every
     linear map (candidate embedding and energy head included), N(0, 1) token and step
     embeddings, no scaling."""
+
+    EXECUTION_FIELDS: ClassVar[tuple[str, ...]] = (*LlamaConfig.EXECUTION_FIELDS, "attention_chunks",
+                                                    "energy_gradient")
 
     def __post_init__(self):
         super().__post_init__()

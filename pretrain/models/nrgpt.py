@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn as nn
@@ -72,6 +73,8 @@ class NRGPTConfig(LearnedPositionConfig):
     """Where `dropout` applies: "embeddings" (the summed token and position embeddings only) or
     "attention" (the released code: each head's attention probabilities and the summed
     attention term, at every step; nothing on the embeddings)."""
+
+    EXECUTION_FIELDS: ClassVar[tuple[str, ...]] = (*LearnedPositionConfig.EXECUTION_FIELDS, "attention_impl")
 
     def __post_init__(self):
         super().__post_init__()

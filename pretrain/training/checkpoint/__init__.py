@@ -52,31 +52,43 @@ from pretrain.training.engine import seed_process
 from pretrain.training.runlock import RunLock, hold_run
 
 
+def model_changes(cfg: RunConfig, marker: Marker) -> tuple[dict[str, tuple], dict[str, tuple]]:
+    """The model config fields that `cfg` resolves to other values than the checkpoint's (against
+    its own vocabulary: the data's is checked with the data), as {field: (checkpoint's, now)}:
+    (those that make another model, those that only choose how it computes). `model.compile` is
+    of the second kind: a model is compiled in place, so its checkpoint is the eager model's."""
+    saved = marker.model_config
+    config = model_config(cfg, saved.get("vocab_size", 0))
+    now = json.loads(json.dumps(dataclasses.asdict(config)))
+    # a field the checkpoint lacks did not exist then; its default keeps the old behaviour
+    changed = {key: (value, now[key]) for key, value in saved.items() if key in now and now[key] != value}
+    how = {key: changed.pop(key) for key in config.EXECUTION_FIELDS if key in changed}
+    if cfg.model.compile != marker.config.model.compile:
+        how["model.compile"] = (marker.config.model.compile, cfg.model.compile)
+    return changed, how
+
+
 def check_same_model(cfg: RunConfig, tag_dir: Path, marker: Marker) -> None:
     """Refuse to resume checkpoint `tag_dir` as another model: the same flavor and seq_len, and
-    the same model config as the checkpoint's (the flavor with `model.overrides`, against the
-    checkpoint's own vocabulary: the data's is checked with the data). A flavor whose definition
-    changed since the checkpoint was saved (nrgpt-ff2w-126m was D = 1020) resumes with overrides
-    that give the checkpoint's model back. `model.compile` may change: a model is compiled in
-    place, so its checkpoint is the eager model's (`_changes_since` says so on the console)."""
+    the same model config as the checkpoint's (the flavor with `model.overrides`) but for the
+    fields that choose how it computes (`model_changes`; `_changes_since` reports them). A flavor
+    whose definition changed since the checkpoint was saved (nrgpt-ff2w-126m was D = 1020)
+    resumes with overrides that give the checkpoint's model back."""
     new_run = "start a new run (another run_name, or resume=restart to move this one aside)"
     for key in ("model.flavor", "data.seq_len"):
         before, now = get_key(marker.config, key), get_key(cfg, key)
         if before != now:
             raise ConfigError(f"{key}={now!r} differs from the checkpoint {tag_dir} ({before!r}); {new_run}")
-    saved = marker.model_config
-    # a field the checkpoint lacks did not exist then; its default keeps the old behaviour
-    now = json.loads(json.dumps(dataclasses.asdict(model_config(cfg, saved.get("vocab_size", 0)))))
-    changed = {key: value for key, value in saved.items() if key in now and now[key] != value}
+    changed, _ = model_changes(cfg, marker)
     if not changed:
         return
-    differences = ", ".join(f"{key} {now[key]!r} (checkpoint: {value!r})" for key, value in changed.items())
+    differences = ", ".join(f"{key} {now!r} (checkpoint: {then!r})" for key, (then, now) in changed.items())
     fix = new_run
     section_then, section_now = (dataclasses.replace(section, init_from=None)
                                  for section in (marker.config.model, cfg.model))
     if section_then == section_now:  # the same model section: the flavor itself changed
         fix = ("the flavor's definition changed since; to resume, add "
-               + " ".join(f"model.overrides.{key}={json.dumps(value)}" for key, value in changed.items()))
+               + " ".join(f"model.overrides.{key}={json.dumps(then)}" for key, (then, _) in changed.items()))
     raise ConfigError(f"model: {cfg.model.flavor} with model.overrides={cfg.model.overrides!r} gives "
                       f"{differences}, not the model of checkpoint {tag_dir}; {fix}")
 
@@ -453,7 +465,8 @@ class CheckpointManager:
     def _changes_since(self, marker: Marker, universal: bool, loader_state: dict,
                        train_state: dict) -> list[str]:
         """One console line per change since the checkpoint was written (world size, ZeRO stage,
-        global batch, compilation), saying what happens to the state, the data and the schedule."""
+        global batch, how the model computes), saying what happens to the state, the data and the
+        schedule."""
         notes = []
         cfg, saved = self.cfg, marker.config
         position = f"sample {loader_state['sample_in_epoch']} of epoch {loader_state['epoch']}"
@@ -472,11 +485,12 @@ class CheckpointManager:
                          f"{train_state['step']}: the data continues at {position} of the same order "
                          "(no sample repeated or skipped); the learning-rate schedule stays a function of "
                          f"the step, not rescaled for the batch; the run ends at step {total}")
-        if cfg.model.compile != saved.model.compile:
-            # e.g. a compiled run that fails on a new GPU or compiler continues eagerly
-            notes.append(f"model.compile changed from {saved.model.compile} to {cfg.model.compile} at step "
-                         f"{train_state['step']}: the same weights, optimizer state and data position; "
-                         "the losses continue within rounding of the unchanged run's, not bit for bit")
+        _, how = model_changes(cfg, marker)
+        if how:  # e.g. a compiled run that a new GPU trips continues eagerly, or checkpointed
+            notes.append(f"changed at step {train_state['step']}: "
+                         + ", ".join(f"{key} {then} -> {now}" for key, (then, now) in how.items())
+                         + ": how the model computes, not what; the same weights, optimizer state and data "
+                         "position, though the losses need not match the unchanged run's to the bit")
         return notes
 
 
