@@ -1,6 +1,7 @@
 """Properties every model family must have, checked on each registered `*-tiny` flavor:
-the output contract, causality, and activation checkpointing that changes nothing but memory;
-plus the paper-scale parameter counts and the flavor table."""
+the output contract, causality, execution fields that change nothing but how the model computes
+(activation checkpointing among them, which changes memory alone); plus the paper-scale
+parameter counts and the flavor table."""
 import dataclasses
 import itertools
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from bench.memory import peak_allocated_bytes
-from pretrain.models import FLAVORS, build, resolve
+from pretrain.models import FAMILIES, FLAVORS, build, resolve
 from pretrain.models.__main__ import flavor_rows, main
 
 TINY = sorted(name for name in FLAVORS if name.endswith("-tiny"))
@@ -65,22 +66,39 @@ def test_causality(flavor):
         assert (logits[:, k] - base[:, k]).abs().max() > 1e-8
 
 
-@pytest.mark.parametrize("flavor", TINY)
-@pytest.mark.parametrize("mode", ["step", "block"])
-def test_activation_checkpointing_gives_identical_loss_and_gradients(flavor, mode):
+OTHER_EXECUTION = {"activation_checkpointing": ["step", "block"], "attention_chunks": [1, 3],
+                   "energy_gradient": ["first_order"], "attention_impl": ["explicit"], "log_energy": [True]}
+"""Values other than the tiny flavors' own for every field a family's config names in
+`EXECUTION_FIELDS` (a field added there needs its alternatives here)."""
+EXECUTION_CHANGES = [(flavor, field, value) for flavor in TINY for field in type(FLAVORS[flavor]).EXECUTION_FIELDS
+                     for value in OTHER_EXECUTION.get(field, [None])]
+
+
+def test_every_execution_field_is_a_field_with_alternatives_here():
+    for spec in FAMILIES.values():
+        names = {f.name for f in dataclasses.fields(spec.config_cls)}
+        assert set(spec.config_cls.EXECUTION_FIELDS) <= names & OTHER_EXECUTION.keys(), spec.name
+
+
+@pytest.mark.parametrize("flavor, field, value", EXECUTION_CHANGES)
+def test_an_execution_field_changes_how_the_model_computes_not_what(flavor, field, value):
+    """A resume may change an execution field (`pretrain.training.checkpoint.model_changes`),
+    so the model must keep its parameters and buffers and compute the same loss and gradients
+    (float64: up to rounding, where the fields reorder sums or take other kernels)."""
     results = {}
-    for checkpointing in ("off", mode):
-        model = build_tiny(flavor, activation_checkpointing=checkpointing).train()
+    for setting in (getattr(FLAVORS[flavor], field), value):
+        model = build_tiny(flavor, **{field: setting}).train()
         idx = tokens(model, seq_len=13)
         out = run(model, idx[:, :-1], idx[:, 1:])
         out.loss.backward()
         grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-        results[checkpointing] = out.loss.detach(), grads
-    (loss_off, grads_off), (loss_on, grads_on) = results["off"], results[mode]
-    assert grads_off and grads_off.keys() == grads_on.keys()
-    assert torch.allclose(loss_on, loss_off, atol=1e-12, rtol=0)
-    for name, grad in grads_off.items():
-        assert torch.allclose(grads_on[name], grad, atol=1e-10, rtol=1e-9), name
+        shapes = {n: t.shape for n, t in model.state_dict().items()}
+        results[setting] = out.loss.detach(), grads, shapes
+    (loss, grads, shapes), (loss_changed, grads_changed, shapes_changed) = results.values()
+    assert shapes_changed == shapes and grads and grads_changed.keys() == grads.keys()
+    assert torch.allclose(loss_changed, loss, atol=0, rtol=1e-12)
+    for name, grad in grads.items():
+        assert torch.allclose(grads_changed[name], grad, atol=1e-12 * grad.abs().max().item(), rtol=1e-9), name
 
 
 @pytest.mark.parametrize("flavor", TINY)

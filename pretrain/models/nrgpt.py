@@ -74,7 +74,8 @@ class NRGPTConfig(LearnedPositionConfig):
     "attention" (the released code: each head's attention probabilities and the summed
     attention term, at every step; nothing on the embeddings)."""
 
-    EXECUTION_FIELDS: ClassVar[tuple[str, ...]] = (*LearnedPositionConfig.EXECUTION_FIELDS, "attention_impl")
+    EXECUTION_FIELDS: ClassVar[tuple[str, ...]] = (*LearnedPositionConfig.EXECUTION_FIELDS, "attention_impl",
+                                                    "log_energy")
 
     def __post_init__(self):
         super().__post_init__()
