@@ -1,7 +1,8 @@
 """torch.compile, on (inductor) in every OpenWebText config, EBT's with its first-order energy
 gradient (the descent compiled): each family's training forward is one graph, its compiled loss
-and gradients equal eager's up to float rounding (EBT's also in a GPU's bf16), and a compiled run
-resumes with the uninterrupted run's losses (NRGPT and EBT)."""
+and gradients equal eager's up to float rounding (EBT's also in a GPU's bf16), a compiled run
+resumes with the uninterrupted run's losses (NRGPT and EBT), and a resume may switch a run
+between compiled and eager."""
 from __future__ import annotations
 
 import copy
