@@ -3,19 +3,22 @@ any work with one line naming the holder; the lock dies with its holder, so a re
 kill -9 resumes as before."""
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import signal
 import socket
 import subprocess
-import threading
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
 import trainer_runs as runs
 from conftest import run_at_once
-from pretrain.training.runlock import CHECK_WAIT_S, RunLock, hold_run, lock_file
+from pretrain.config import ConfigError
+from pretrain.training.runlock import CHECK_WAIT_S, RunLock, hold_run, lock_file, lock_whole_file
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -72,6 +75,83 @@ def test_a_live_run_is_held_and_a_killed_holder_leaves_no_stale_lock(tmp_path):
     assert f"resuming at step {latest}" in resumed.stderr + resumed.stdout
 
 
+def test_a_rerun_right_after_kill_9_resumes_though_the_data_workers_live_on(tmp_path):
+    """kill -9 of a launcher and its ranks leaves their DataLoader workers alive for a while (they
+    notice a dead parent within seconds): the lock died with rank 0 all the same, so the same
+    command run at once resumes. The workers are kept stopped (SIGSTOP) through the rerun, the
+    longest they could linger; an flock would still be theirs."""
+    name = "killed"
+    command = runs.train_command([f"run_name={name}", "train.max_steps=100000", "checkpoint.interval=2",
+                                  "data.num_workers=2"])
+    command[command.index("torch.distributed.run")] = "pretrain.torchrun"
+    log = tmp_path / "killed.log"
+    launcher = subprocess.Popen(command, env=runs.child_env(), cwd=runs.REPO, stdout=subprocess.DEVNULL,
+                                stderr=log.open("w"), preexec_fn=runs.lower_priority)
+    data_workers = []
+    try:
+        runs.wait_for(lambda: (runs.run_dir(name) / "ckpt" / "step_00000004" / "complete.json").exists(),
+                      "the second checkpoint", launcher)
+        tree = runs.process_tree(launcher.pid)
+        data_workers = [pid for pid in tree if b"pt_data_worker" in _command_name(pid)]
+        assert data_workers, "no DataLoader worker found"
+        for pid in data_workers:
+            os.kill(pid, signal.SIGSTOP)
+        for pid in tree:
+            if pid not in data_workers:
+                os.kill(pid, signal.SIGKILL)
+        launcher.wait()
+
+        latest = int((runs.run_dir(name) / "ckpt" / "latest").read_text().strip().rsplit("_", 1)[1])
+        rerun = subprocess.run([*command[:-1], f"train.max_steps={latest + 2}"], env=runs.child_env(),
+                               cwd=runs.REPO, capture_output=True, text=True, timeout=300)
+        assert rerun.returncode == 0, rerun.stderr[-3000:]
+        assert f"resuming at step {latest}" in rerun.stderr + rerun.stdout
+    finally:
+        for pid in runs.process_tree(launcher.pid) + data_workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        launcher.wait()
+        runs.remove_leaked_shared_memory()
+
+
+def _command_name(pid: int) -> bytes:
+    try:
+        return (Path("/proc") / str(pid) / "comm").read_bytes()
+    except OSError:
+        return b""
+
+
+def test_a_lock_kept_by_another_process_than_the_trainer_it_names_says_so(tmp_path):
+    """The lock file names a trainer of this host that has ended, while another process holds the
+    lock: the line names that process, not the dead trainer as if it were running."""
+    run_dir = tmp_path / "run"
+    started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; "
+         "from pretrain.training.runlock import RunLock; lock = RunLock(Path(sys.argv[1])); lock.acquire(); "
+         "print('held', flush=True); time.sleep(600)", str(run_dir)],
+        env=runs.child_env(), cwd=runs.REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        dead_pid = _a_dead_pid()  # a pid of this host that no longer runs
+        lock_file(run_dir).write_text(f"host {socket.gethostname()}, pid {dead_pid}, started {started}\n")
+        with pytest.raises(ConfigError) as refused:
+            RunLock(run_dir).acquire()
+        line = str(refused.value)
+        assert f"is in use by pid {holder.pid} (" in line and "pretrain.training.runlock" in line, line
+        assert f"not by the trainer the lock file names (host {socket.gethostname()}, pid {dead_pid}" in line, line
+        assert "which has ended" in line, line
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def _a_dead_pid() -> int:
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
+
+
 def test_the_checks_of_a_jobs_nodes_never_fail_each_other(tmp_path):
     """Each node of a multi-node launch runs its check at about the same instant (a requeue
     starts them together): checks take the lock shared, so they never find each other holding
@@ -86,14 +166,15 @@ def test_the_checks_of_a_jobs_nodes_never_fail_each_other(tmp_path):
 
     assert run_at_once(checks, processes=3) == ["ok"] * 3
 
-    check = os.open(lock_file(run_dir), os.O_RDONLY)
-    fcntl.flock(check, fcntl.LOCK_SH)  # a check, holding on for longer than any does
+    # a check in another process (record locks are per process), holding on longer than any does
+    check = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, os, sys, time; from pretrain.training.runlock import lock_whole_file; "
+         "fd = os.open(sys.argv[1], os.O_RDONLY); lock_whole_file(fd, fcntl.F_RDLCK); print('held', flush=True); "
+         "time.sleep(0.5)", str(lock_file(run_dir))],
+        env=runs.child_env(), cwd=runs.REPO, stdout=subprocess.PIPE, text=True)
+    assert check.stdout.readline().strip() == "held"
     trainer = RunLock(run_dir)
-
-    def let_go():
-        time.sleep(0.5)
-        os.close(check)
-    threading.Thread(target=let_go).start()
     started = time.monotonic()
     assert trainer.acquire() and 0.4 < time.monotonic() - started < CHECK_WAIT_S
+    check.wait()
     trainer.release()
