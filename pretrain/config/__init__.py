@@ -136,11 +136,13 @@ class OptimizerSection:
 
 
 ScheduleKind = Literal["cosine", "exponential", "constant"]
+LengthChangeSchedule = Literal["recompute", "continue"]
 SpikeSkipping = Literal["auto", "on", "off"]
 TrainingDevice = Literal["auto", "cuda"]
 ZeroStage = Literal[0, 1, 2, 3]
-"""The choices of `schedule.kind`, `train.skip_spikes`, `train.device` and `zero.stage`, which
-`validate` checks and names (`train.precision`'s are `precision.PrecisionSetting`)."""
+"""The choices of `schedule.kind`, `schedule.on_length_change`, `train.skip_spikes`,
+`train.device` and `zero.stage`, which `validate` checks and names (`train.precision`'s are
+`precision.PrecisionSetting`)."""
 
 
 @dataclass
@@ -154,6 +156,12 @@ class ScheduleSection:
     """Learning rate reached at the end of the decay (must be > 0 for "exponential")."""
     decay_steps: int | None = None
     """Step at which the decay reaches `min_lr` (held afterwards); None: the end of the budget."""
+    on_length_change: LengthChangeSchedule = "recompute"
+    """What the learning rate does when a resume changes the run's length (a larger
+    `train.max_steps` to extend a finished run, say): "recompute" plans the schedule afresh for
+    the new length (the LR jumps to where that plan stands), "continue" decays from the LR the
+    run stands at to `min_lr` at the new end, with the same kind of decay. Recorded at that
+    resume, so that later resumes keep it whatever this says then."""
 
 
 @dataclass

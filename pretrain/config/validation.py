@@ -14,9 +14,9 @@ from typing import Any
 
 import yaml
 
-from pretrain.config import (DECAY_SETS, RESUME_MODES, ConfigError, RunConfig, ScheduleKind, SpikeSkipping,
-                             TrainingDevice, ZeroStage, batch_split, get_key, gpu_attention, run_name_problem,
-                             typed_model_overrides)
+from pretrain.config import (DECAY_SETS, RESUME_MODES, ConfigError, LengthChangeSchedule, RunConfig, ScheduleKind,
+                             SpikeSkipping, TrainingDevice, ZeroStage, batch_split, get_key, gpu_attention,
+                             run_name_problem, typed_model_overrides)
 from pretrain.config.precision import PRECISION_SETTINGS
 
 
@@ -63,6 +63,7 @@ def validate(cfg: RunConfig, world_size: int, has_gpu: bool, cautions: bool = Tr
             "factors must be > 0")
     require(cfg.optimizer.decay in DECAY_SETS, "optimizer.decay", f"must be one of {', '.join(DECAY_SETS)}")
     require_choice("schedule.kind", ScheduleKind)
+    require_choice("schedule.on_length_change", LengthChangeSchedule)
     require(cfg.schedule.min_lr <= cfg.optimizer.lr, "schedule.min_lr",
             f"must not exceed optimizer.lr={cfg.optimizer.lr}")
     require(cfg.schedule.kind != "exponential" or cfg.schedule.min_lr > 0, "schedule.min_lr",

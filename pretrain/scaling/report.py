@@ -104,6 +104,11 @@ def collect_points(registry: Registry, metric: str, *, higher_is_better: bool = 
     groups: dict[str, list[Point]] = {}
     skipped = []
     for run_dir, record in registry.records:
+        if record.length_changes:  # its schedule was planned for another length than it ran
+            changes = ", ".join(change.describe() for change in record.length_changes)
+            skipped.append(f"length changed on resuming ({changes}) in {run_dir}: not a run planned "
+                           f"at {record.steps} steps, skipped")
+            continue
         value = metric_value(record, metric)
         if value is None or not math.isfinite(value):
             skipped.append(f"no finite {metric} in {run_dir}, skipped")

@@ -5,19 +5,21 @@ Groups: parameters with weight decay (`decay`), without (`no_decay`: what the de
 model's `lr_multipliers()` such as EBT's alpha, and `optimizer.lr_multipliers` patterns).
 
 The schedule is a pure function of the optimizer step, applied by the training loop before
-every step; it has no state beyond the step count, which checkpoints hold."""
+every step; it has no state beyond the step count and the resumes that changed the run's length,
+which checkpoints hold."""
 from __future__ import annotations
 
 import fnmatch
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import torch.nn as nn
 
 from pretrain.config import DECAY_SETS, ConfigError, OptimizerSection, ScheduleSection, TrainSection, ZeroSection
 from pretrain.models import FamilySpec
-from pretrain.training.summary import TrainState
+from pretrain.training.summary import LengthChange, TrainState
 
 
 def undecayed_names(model: nn.Module, decay_set: str) -> set[str]:
@@ -190,21 +192,65 @@ def build_optimizer(groups: list[dict], opt: OptimizerSection, zero: ZeroSection
     return torch.optim.AdamW(groups, **kwargs)
 
 
-def lr_factor(step: int, schedule: ScheduleSection, lr: float, total_steps: int) -> float:
+def lr_factor(step: int, schedule: ScheduleSection, lr: float, total_steps: int,
+              length_changes: Sequence[LengthChange] = ()) -> float:
     """Learning rate of optimizer step `step` (0-based) relative to the peak `lr`: linear warmup
     over the first `warmup_steps` updates, then the decay, which reaches `min_lr` at update
-    `decay_steps` (default: the last one) and holds it."""
+    `decay_steps` (default: the last one) and holds it.
+
+    `total_steps` is the run's length now; `length_changes` the resumes that changed it
+    (`TrainState.length_changes`, in order). An update before the first change follows the
+    schedule planned for the length the run had then; one after a change follows what that
+    change recorded: "recompute", the schedule planned for the new length; "continue", a decay
+    of the same kind from the factor of the change's last update (or of the warmup's end) to
+    `min_lr` at the new end. With `decay_steps`, the length does not enter the schedule, so a
+    change leaves it as it is."""
     update = step + 1
     if update <= schedule.warmup_steps:
         return update / schedule.warmup_steps
-    end = schedule.decay_steps or total_steps
-    progress = min(1.0, (update - schedule.warmup_steps) / max(1, end - schedule.warmup_steps))
     floor = schedule.min_lr / lr
-    if schedule.kind == "cosine":
-        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-    if schedule.kind == "exponential":
-        return floor ** progress
-    return 1.0
+    changes = list(length_changes)
+    while changes and changes[-1].step >= update:  # made after this update: it ran under the length before
+        total_steps = changes.pop().from_steps
+    latest = changes[-1] if changes else None
+    # the schedule planned for a length (with `decay_steps`, whatever the length)
+    if latest is None or latest.schedule == "recompute" or schedule.decay_steps:
+        end = schedule.decay_steps or total_steps
+        progress = min(1.0, (update - schedule.warmup_steps) / max(1, end - schedule.warmup_steps))
+        return _decayed(1.0, floor, progress, schedule.kind)
+    # a change during the warmup lets it finish (the warmup does not depend on the length)
+    start = max(latest.step, schedule.warmup_steps)
+    start_factor = lr_factor(start - 1, schedule, lr, latest.from_steps, changes[:-1])
+    progress = min(1.0, (update - start) / max(1, latest.to_steps - start))
+    return _decayed(start_factor, floor, progress, schedule.kind)
+
+
+def _decayed(start: float, floor: float, progress: float, kind: str) -> float:
+    """The factor `progress` (0 to 1) of the way through a decay of `kind` from `start` to `floor`."""
+    if kind == "cosine":
+        return floor + (start - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    if kind == "exponential":
+        return start * (floor / start) ** progress
+    return start
+
+
+def length_change_note(length_changes: Sequence[LengthChange], schedule: ScheduleSection, lr: float) -> str:
+    """The console line of the resume that made the last of `length_changes`: the run's length
+    before and after, and its learning rate at the last update taken and at the next one."""
+    *earlier, change = length_changes
+    step, end = change.step, change.to_steps
+    before = lr * lr_factor(step - 1, schedule, lr, change.from_steps, earlier)
+    line = f"the run's length changes {change.describe()}; learning rate {before:.2e} at step {step}"
+    if end <= step:
+        line += ", where the run now ends"
+    else:
+        after = lr * lr_factor(step, schedule, lr, end, length_changes)
+        how = ("schedule.on_length_change=continue: the schedule goes on from where the run stands"
+               if change.schedule == "continue" else
+               f"the schedule planned afresh for {end} steps; schedule.on_length_change=continue would go "
+               "on from where the run stands")
+        line += f" -> {after:.2e} at step {step + 1} ({how})"
+    return line + "; summary.json records the change, and the scaling fits leave the run out"
 
 
 def set_lr(optimizer: torch.optim.Optimizer, infos: list[GroupInfo], lr: float) -> dict[str, float]:

@@ -10,9 +10,30 @@ from pathlib import Path
 from typing import Any
 
 from common.fileio import atomic_write_text
+from pretrain.config import LengthChangeSchedule
 from pretrain.config.typed import read_typed
 
 SUMMARY_FILE = "summary.json"
+
+
+@dataclass(frozen=True)
+class LengthChange:
+    """A resume that changed the run's length (`train.max_steps` or `train.max_tokens`, or the
+    global batch under a token budget): the run was not planned at the length it ends with."""
+
+    step: int
+    """Optimizer steps taken when the length changed."""
+    from_steps: int
+    """The run's length before, in optimizer steps."""
+    to_steps: int
+    """Its length after."""
+    schedule: LengthChangeSchedule
+    """How the learning rate went on (`schedule.on_length_change` at that resume): "recompute"
+    (the schedule planned afresh for `to_steps`) or "continue" (a decay from the learning rate
+    the run stood at to `schedule.min_lr` at `to_steps`)."""
+
+    def describe(self) -> str:
+        return f"at step {self.step}: {self.from_steps} -> {self.to_steps} steps"
 
 
 @dataclass
@@ -46,6 +67,12 @@ class TrainState:
     """`eval.dynamics`: the descent's scalars at the latest evaluation."""
     wall_time_s: float = 0.0
     """Seconds spent in this run up to the latest checkpoint, summed over resumed segments."""
+    total_steps: int | None = None
+    """The run's length in optimizer steps that its learning-rate schedule plans for (None in
+    checkpoints from before it was recorded): a resume to another length is a `LengthChange`."""
+    length_changes: list[LengthChange] = field(default_factory=list)
+    """The resumes that changed the run's length, in order; the schedule is a function of the
+    step and of these (`optim.lr_factor`), so that every later resume takes the same LRs."""
 
     def record_eval(self, val_loss: float, think_losses: list[float] | None,
                     dynamics: dict[str, float] | None = None) -> None:
@@ -57,7 +84,9 @@ class TrainState:
     def from_saved(cls, saved: dict) -> TrainState:
         """The state as a checkpoint holds it (keys of older versions that are gone ignored)."""
         names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in saved.items() if k in names})
+        state = cls(**{k: v for k, v in saved.items() if k in names})
+        state.length_changes = [LengthChange(**change) for change in state.length_changes]
+        return state
 
 
 @dataclass(frozen=True)
@@ -92,6 +121,8 @@ class RunRecord:
     """Number of training processes."""
     steps: int
     """Optimizer steps taken."""
+    length_changes: list[LengthChange] = field(default_factory=list)
+    """Resumes that changed the run's length: empty for a run planned at the length it ran."""
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
     """Any further keys of summary.json, kept as read (e.g. the EBT thinking curve)."""
 

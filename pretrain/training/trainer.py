@@ -34,10 +34,10 @@ from pretrain.training.evaluation import EvalResult, evaluate, evaluate_downstre
 from pretrain.training.faults import Faults
 from pretrain.training.flops import peak_tflops
 from pretrain.training.metrics import Metrics, StepResult, Throughput, diagnostic_scalars
-from pretrain.training.optim import SpikeGuard, build_optimizer, lr_factor, param_groups, set_lr
+from pretrain.training.optim import SpikeGuard, build_optimizer, length_change_note, lr_factor, param_groups, set_lr
 from pretrain.training.preflight import check_dataset, evaluates, preflight
 from pretrain.training.stopping import EXIT_PREEMPTED, StopSignals, ignore_stop_signals
-from pretrain.training.summary import SUMMARY_FILE, RunRecord, TrainState
+from pretrain.training.summary import SUMMARY_FILE, LengthChange, RunRecord, TrainState
 
 class NonFiniteError(RuntimeError):
     """Non-finite updates keep coming back after reloading the last good checkpoint."""
@@ -188,12 +188,21 @@ class Trainer:
             if reload:
                 saved.reloads, saved.skipped_steps = self.state.reloads, self.state.skipped_steps
                 saved.wall_time_s, self.session_start = self._wall_time(), time.perf_counter()
+                # the run's schedule as it is now: a checkpoint from before a length change lacks it
+                saved.length_changes = self.state.length_changes
             else:
                 self.total_steps = self.cfg.total_steps_after(saved.step, saved.tokens_seen)
                 self.resume_notes = resumed.notes
+                if saved.total_steps not in (None, self.total_steps):
+                    schedule = self.cfg.schedule
+                    saved.length_changes.append(LengthChange(saved.step, saved.total_steps, self.total_steps,
+                                                             schedule.on_length_change))
+                    self.resume_notes.append(length_change_note(saved.length_changes, schedule,
+                                                                self.cfg.optimizer.lr))
             self.state = saved
             if resumed.loader_state is not None:
                 self.loader.load_state_dict(resumed.loader_state)
+        self.state.total_steps = self.total_steps
         self._restart_batches()
 
     def _restart_batches(self) -> None:
@@ -267,7 +276,8 @@ class Trainer:
         engine, cfg = self.engine, self.cfg
         start = time.perf_counter()
         step = self.state.step
-        lr = cfg.optimizer.lr * lr_factor(step, cfg.schedule, cfg.optimizer.lr, self.total_steps)
+        lr = cfg.optimizer.lr * lr_factor(step, cfg.schedule, cfg.optimizer.lr, self.total_steps,
+                                          self.state.length_changes)
         lrs = set_lr(engine.optimizer, self.group_infos, lr)
         loss_sum = torch.zeros((), device=self.device)
         nonfinite = torch.zeros((), device=self.device)
@@ -389,7 +399,7 @@ class Trainer:
             final_train_loss=state.last_train_loss if state.last_train_loss is not None else math.nan,
             best_val_loss=state.best_val_loss, final_val_loss=state.last_val_loss,
             wall_time_s=self._wall_time(), hardware=hardware, world_size=self.world_size,
-            steps=state.step,
+            steps=state.step, length_changes=state.length_changes,
             extra={"flops_per_token": self.flops_per_token, "precision": self.precision.name,
                    "zero_stage": cfg.zero.stage, "global_batch_size": cfg.train.global_batch_size,
                    "seq_len": cfg.data.seq_len, "skipped_steps": state.skipped_steps, "spike_skips": state.spike_skips,
