@@ -28,6 +28,12 @@ EXIT_DIR_VARIABLE = "PRETRAIN_EXIT_DIR"
 before exiting (a file named by its rank)."""
 
 
+ATTEMPT_VARIABLE = "PRETRAIN_ATTEMPT"
+"""Set by the launcher (`pretrain.torchrun`) for each start of the workers, the same on every
+node: the namespace of the attempt's keys in torchrun's store, which outlives a restart (see
+`pretrain.training.engine.init_distributed`)."""
+
+
 class Stopped(BaseException):
     """A stop signal, raised where the process was. A BaseException, like KeyboardInterrupt, so
     that no `except Exception` on the way swallows it."""

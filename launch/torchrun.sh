@@ -16,6 +16,10 @@
 #   RDZV_ENDPOINT    host:port of a c10d rendezvous (instead of NODE_RANK/MASTER_ADDR)
 #   RDZV_ID          rendezvous id shared by all nodes (default: job id or "pretrain")
 #   GRACE_SECONDS    how long torchrun lets workers checkpoint after SIGTERM/SIGUSR1 (default 300)
+#   RESTARTS         in-job restarts of this node's workers after a rank crashed, hung (the trainer's
+#                    watchdog) or lost its peer, each resuming from the newest complete checkpoint
+#                    (default 3; 0: none). Used up, the launch ends with one line and the failure's
+#                    exit code (1: slurm.sbatch does not requeue it)
 #   PYTHON           interpreter (default: .venv/bin/python if present, else python3)
 #   CLUSTER_PROFILE  the cluster profile to source (default: launch/cluster.sh, if present)
 #   SKIP_CHECK       1: the caller ran `pretrain.train --check` for the whole job already
@@ -78,9 +82,11 @@ if [ -z "${NPROC_PER_NODE:-}" ]; then
 fi
 NNODES=${NNODES:-1}
 GRACE_SECONDS=${GRACE_SECONDS:-300}
+RESTARTS=${RESTARTS:-3}
 whole_number NPROC_PER_NODE 1
 whole_number NNODES 1
 whole_number GRACE_SECONDS 0
+whole_number RESTARTS 0
 
 # torchrun forwards these signals to its workers and waits GRACE_SECONDS for them to save a
 # checkpoint. By default it does not handle SIGUSR1 (Slurm's early warning) and dies of it,
@@ -90,7 +96,7 @@ whole_number GRACE_SECONDS 0
 # saved on a signal, 2 for a bad config) and leaving out torchrun's own failure report, so that
 # rank 0's one-line error is the last line of a failed launch.
 node_rank=0  # of a static multi-node rendezvous; 0 for every node of a c10d one
-args=(--nproc_per_node="$NPROC_PER_NODE"
+args=(--nproc_per_node="$NPROC_PER_NODE" --max-restarts="$RESTARTS"
       --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1
       --shutdown-timeout="$GRACE_SECONDS")
 if [ "$NNODES" = 1 ] && [ -z "${RDZV_ENDPOINT:-}" ]; then

@@ -11,7 +11,9 @@ trainer fails:
   so torchrun's own 40-line ChildFailedError report is left out, and this process exits with the
   trainer's code instead of torchrun's 1. Every rank writes its code and error line to
   PRETRAIN_EXIT_DIR as it exits; an error that only another rank than rank 0 met (so nobody
-  printed it) is printed here, as the last line.
+  printed it) is printed here, as the last line, and so is a lost peer: the line of a rank that
+  failed by itself, where this node has one, rather than that of a rank it left waiting in a
+  collective.
 - When a worker fails, the others get FAILED_PEER_GRACE_S to end by themselves and are then
   killed. torchrun would send them SIGTERM and wait 30 s (fixed, whatever --shutdown-timeout
   says), which helps nobody here: a rank waiting for the dead one in a collective (or in the
@@ -23,7 +25,15 @@ trainer fails:
   (seconds to minutes for large checkpoints on a network file system). Then nobody is killed or
   signalled: torchrun learns of the exits once every worker has ended.
 - torchrun's log lines are kept back and shown only when a worker died without saying why
-  (killed by a signal, or exited without writing its code)."""
+  (killed by a signal, or exited without writing its code).
+- In-job restarts (`--max-restarts=N`): a worker that crashed (killed by a signal, such as the
+  kernel's OOM killer, or exited without reporting), hung (the trainer's watchdog, exit
+  EXIT_HUNG) or lost its peer is restarted with the whole group, which resumes from the newest
+  complete checkpoint; one line per restart names the rank, host and cause. A failure that a
+  restart would meet again is not restarted: bad input (2), a training error (1 with its own
+  line), a stop (75, 130). Each start of the workers gets a namespace in torchrun's store that
+  every node agrees on (ATTEMPT_VARIABLE; `engine.init_distributed`). When the restarts are used
+  up, one last line says so."""
 from __future__ import annotations
 
 import logging
@@ -33,14 +43,33 @@ import socket
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
-from common.cli import EXIT_DIR_VARIABLE
+from common.cli import ATTEMPT_VARIABLE, EXIT_DIR_VARIABLE
+from pretrain.training.engine import LOST_PEER_PREFIX
 from pretrain.training.stopping import EXIT_PREEMPTED
+from pretrain.training.watchdog import EXIT_HUNG
 
 FAILED_PEER_GRACE_S = 5.0
 """After a worker failed, how long the others have to end by themselves (a rank that met the
 same error prints and records it in milliseconds) before they are killed."""
+ATTEMPT_AGREEMENT_S = 900.0
+"""How long an agent waits for the first node's agent to name a new attempt after a restart (as
+long as torchrun's own rendezvous waits for nodes to join)."""
+
+
+class Restarts:
+    """What the launcher's agent did about failed workers, for the launcher's last line."""
+
+    def __init__(self):
+        self.stopped: set[int] = set()
+        """pids of workers the agent killed because another one had failed."""
+        self.failure: tuple[str, bool] | None = None
+        """The latest failure: its description (rank, pid, host, cause) and whether a restart
+        would meet it again."""
+        self.made = 0
+        self.allowed = 0
 
 
 class _Held(logging.Handler):
@@ -73,9 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     elastic = logging.getLogger("torch.distributed.elastic")
     elastic.addHandler(held)
     elastic.propagate = False
-    stopped: set[int] = set()
+    restarts = Restarts()
     # torchrun builds its agent from this name and offers no other way to choose it
-    launcher.LocalElasticAgent = _agent_stopping_failed_groups(stopped)
+    launcher.LocalElasticAgent = _agent_stopping_failed_groups(restarts)
     with tempfile.TemporaryDirectory(prefix="pretrain-torchrun-") as tmp:
         os.environ[EXIT_DIR_VARIABLE] = tmp
         failure = None
@@ -90,21 +119,35 @@ def main(argv: list[str] | None = None) -> int:
     if failure is None:
         return reports[min(reports)][0] if reports else 0
     failed = {rank: report for rank, report in reports.items() if report[0] != 0}
+    if isinstance(failure, ChildFailedError) and restarts.allowed and restarts.failure and not restarts.failure[1]:
+        # a failure that restarts were for, and none is left: say so last
+        code = failed[min(failed)][0] if failed else torchrun_code
+        print(f"error: torchrun: {restarts.failure[0]}, and the {restarts.allowed} in-job restart(s) "
+              f"allowed (--max-restarts) are used up: the job ends with exit code {code}", file=sys.stderr)
+        return code
     if failed:
-        code, line = failed[min(failed)]
-        if line and reports.get(0, (0, ""))[1] != line:  # rank 0 prints its own line; this one it did not
+        # a rank that lost its peer (in a collective) only tells of another's failure: name that
+        # one where this node saw it
+        causes = {rank: report for rank, report in failed.items()
+                  if not report[1].startswith(LOST_PEER_PREFIX)} or failed
+        code, line = causes[min(causes)]
+        # rank 0 prints its own line, a lost peer aside (left to this launcher)
+        printed_by_rank_0 = reports.get(0, (0, ""))[1] == line and not line.startswith(LOST_PEER_PREFIX)
+        if line and not printed_by_rank_0:
             print(line, file=sys.stderr)
         return code
     # the trainer did not say how it ended: show what torchrun knows
     for record in held.records:
         print(held.format(record), file=sys.stderr)
-    print(f"error: torchrun: {_describe(failure, stopped)}", file=sys.stderr)
+    print(f"error: torchrun: {_describe(failure, restarts.stopped)}", file=sys.stderr)
     return torchrun_code
 
 
-def _agent_stopping_failed_groups(stopped: set[int]):
+def _agent_stopping_failed_groups(restarts: Restarts):
     """torchrun's agent, stopping the rest of a node's workers within FAILED_PEER_GRACE_S of one
-    failing (see the module doc); the pids it had to kill go into `stopped`."""
+    failing (see the module doc; the pids it had to kill go into `restarts.stopped`), restarting
+    only failures that a restart can get past, saying so, and giving each start of the workers
+    a store namespace of its own."""
     from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
@@ -122,13 +165,77 @@ def _agent_stopping_failed_groups(stopped: set[int]):
                     time.sleep(0.05)
                 for pid in pids:
                     if _exit_status(pid) is None:
-                        stopped.add(pid)
+                        restarts.stopped.add(pid)
                         # each worker leads a session of its own: its data loader workers go too
                         os.killpg(pid, signal.SIGKILL)
             # torchrun's own monitoring then finds every worker ended and sends nothing
-            return super()._monitor_workers(worker_group)
+            result = super()._monitor_workers(worker_group)
+            restarts.allowed = worker_group.spec.max_restarts
+            if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and result.failures:
+                restarts.failure = _failure(result.failures, read_exit_files(Path(os.environ[EXIT_DIR_VARIABLE])),
+                                            restarts.stopped)
+                if restarts.failure[1]:
+                    self._remaining_restarts = 0  # it would fail the same way again
+            return result
+
+        def _restart_workers(self, worker_group):
+            if worker_group.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and restarts.failure:
+                restarts.made = worker_group.spec.max_restarts - self._remaining_restarts
+                print(f"torchrun: {restarts.failure[0]}; restarting this node's ranks from the newest complete "
+                      f"checkpoint (restart {restarts.made} of {worker_group.spec.max_restarts})",
+                      file=sys.stderr, flush=True)
+                for report in Path(os.environ[EXIT_DIR_VARIABLE]).iterdir():  # the next attempt's codes only
+                    report.unlink()
+            super()._restart_workers(worker_group)
+
+        def _rendezvous(self, worker_group):
+            super()._rendezvous(worker_group)
+            os.environ[ATTEMPT_VARIABLE] = _agree_on_attempt(worker_group.store, worker_group.group_rank,
+                                                             os.environ.get(ATTEMPT_VARIABLE))
 
     return StopsFailedGroups
+
+
+def _failure(failures: dict, reports: dict[int, tuple[int, str]], stopped: set[int]) -> tuple[str, bool]:
+    """The failure that stopped a node's workers (global rank -> torchrun's ProcessFailure, with
+    the ranks' own exit reports) as (description, final): its first rank that was not killed
+    by this launcher and did not merely lose its peer, and whether a restart would meet the same
+    failure again (bad input, a training error, a stop)."""
+    causes = {rank: f for rank, f in failures.items() if f.pid not in stopped} or failures
+    lost_peer = {rank for rank in causes if reports.get(rank, (0, ""))[1].startswith(LOST_PEER_PREFIX)}
+    rank = min(causes, key=lambda r: (r in lost_peer, causes[r].timestamp, r))
+    first, (code, line) = causes[rank], reports.get(rank, (None, ""))
+    final = any(reports.get(r, (0, ""))[0] not in (0, EXIT_HUNG) and r not in lost_peer and r in reports
+                for r in causes)
+    if rank in lost_peer:
+        how = "lost its connection to another node's rank"
+    elif code == EXIT_HUNG:
+        how = "hung: its watchdog ended it (its output has every thread's stack)"
+    elif code is None:
+        how = (f"died of {first.signal_name()}" if first.exitcode < 0 else
+               f"exited with code {first.exitcode} without reporting an error")
+    else:
+        how = line.removeprefix("error: ") or f"exited with code {code}"
+    return f"rank {rank} (pid {first.pid}) on {socket.gethostname()} {how}", final
+
+
+def _agree_on_attempt(store, group_rank: int, previous: str | None) -> str:
+    """A name for this start of the workers that every node's agent agrees on: the first node's
+    agent draws it after the rendezvous; the others wait until they read one they have not used
+    (torchrun's static rendezvous keeps one store across restarts, so the previous name is still
+    there until the first node's agent replaces it)."""
+    key = "pretrain/attempt"
+    if group_rank == 0:
+        attempt = uuid.uuid4().hex
+        store.set(key, attempt)
+        return attempt
+    deadline = time.monotonic() + ATTEMPT_AGREEMENT_S
+    while (attempt := store.get(key).decode()) == previous:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the first node's agent named no new attempt within {ATTEMPT_AGREEMENT_S:g} s "
+                               "of a restart")
+        time.sleep(0.1)
+    return attempt
 
 
 def _exit_status(pid: int) -> int | None:

@@ -7,7 +7,8 @@
 Each process is one rank running the training loop (`pretrain.training.trainer`). Exit codes: 0
 done, 2 bad configuration or data, 1 an unrecoverable training error (a damaged checkpoint with
 no intact one, repeated non-finite updates), 75 (EX_TEMPFAIL) checkpoint saved after
-SIGTERM/SIGUSR1/Ctrl-C: rerun or requeue to resume, 130 Ctrl-C twice (not saved)."""
+SIGTERM/SIGUSR1/Ctrl-C: rerun or requeue to resume, 130 Ctrl-C twice (not saved), 124 hung (the
+watchdog found no step completing in time: `pretrain.training.watchdog`)."""
 from __future__ import annotations
 
 import os

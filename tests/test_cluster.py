@@ -270,6 +270,49 @@ def test_node_lost_mid_checkpoint_requeues_and_resumes_from_the_newest_complete_
     slurm.wait_nodes("idle", 60)
 
 
+def trainer_pid(node: int, rank: int) -> int:
+    """The pid of the trainer process of global `rank` on namespace node `node` (not its loader's
+    workers, not its torchrun)."""
+    pids = namespace_cluster.sh("ip", "netns", "pids", f"{namespace_cluster.NETNS_PREFIX}{namespace_cluster.node_name(node)}")
+    for pid in pids.stdout.split():
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            comm = Path(f"/proc/{pid}/comm").read_bytes()
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environ and b"pt_data_worker" not in comm and b"TORCHELASTIC_RESTART_COUNT=0" in environ:
+            return int(pid)
+    raise AssertionError(f"no trainer of rank {rank} on n{node}")
+
+
+def test_a_rank_killed_on_one_node_restarts_in_the_job_without_a_requeue(slurm, shared, reference_two):
+    """The README's line for CPU nodes, `sbatch --nodes=2 launch/slurm.sbatch CONFIG`, with its
+    default in-job restarts. Rank 1's trainer on the second node is killed with SIGKILL mid-run:
+    both nodes restart their ranks in place from the newest complete checkpoint, the job is not
+    requeued, its output says once which rank died where (restart 1 of 3), and the run ends with
+    the uninterrupted run's losses."""
+    hold = shared / "hold-rank-killed"
+    hold.touch()
+    job = submit(slurm, shared, "--nodes=2", overrides=["run_name=rank-killed", *held_from(2 * CKPT_INTERVAL + 2, hold)])
+    run = shared / "runs" / "rank-killed"
+    wait_until(lambda: (run / "ckpt" / f"step_{2 * CKPT_INTERVAL:08d}" / "complete.json").exists(),
+               "the second checkpoint")
+    node = slurm.job_nodes(job)[1]
+    victim = trainer_pid(node, rank=1)
+    os.kill(victim, signal.SIGKILL)  # during its step 9, or held before step 10
+    hold.unlink()
+    fields = slurm.wait_job(job, 240, states=("COMPLETED", "FAILED", "CANCELLED"))
+    logs = log(shared, job) + log(shared, job, 0) + log(shared, job, 1)
+    assert fields["JobState"] == "COMPLETED", logs[-3000:]
+    assert fields["Restarts"] == "0"
+    died = [line for line in logs.splitlines() if "died of" in line]
+    assert died == [f"torchrun: rank 1 (pid {victim}) on {namespace_cluster.node_name(node)} died of SIGKILL; "
+                    "restarting this node's ranks from the newest complete checkpoint (restart 1 of 3)"], logs[-3000:]
+    assert f"resuming at step {2 * CKPT_INTERVAL}" in log(shared, job, 0)
+    no_traceback(logs)
+    assert_same_losses(losses(run), reference_two)
+
+
 def test_a_config_that_cannot_split_its_batch_ends_before_any_task_and_is_not_requeued(slurm, shared):
     job = submit(slurm, shared, "--nodes=3", overrides=["run_name=bad-split", "train.global_batch_size=8"])
     fields = slurm.wait_job(job, 120)
@@ -334,8 +377,10 @@ def test_a_scaling_sweep_runs_as_a_job_array_and_fits(slurm, shared):
 
 def two_host_launch(bare, shared: Path, node: int, name: str, *overrides: str) -> subprocess.Popen:
     """launch/torchrun.sh on namespace node `node` (1 or 2) of a two-host static rendezvous."""
+    # without in-job restarts: this test is about how a launch ends when its peer is cut off or
+    # lost (with them, each restart would wait train.collective_timeout for the peer again)
     env = job_env(NNODES="2", NODE_RANK=str(node - 1), MASTER_ADDR="n1", MASTER_PORT="29511",
-                  NPROC_PER_NODE="1", GRACE_SECONDS="5")
+                  NPROC_PER_NODE="1", GRACE_SECONDS="5", RESTARTS="0")
     command = bare.on_node(node, ["bash", "launch/torchrun.sh", str(shared / "base.yaml"), f"run_name={name}",
                                   *overrides])
     return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -209,6 +209,22 @@ class TrainSection:
     naming the lost peer (a node that failed or was cut off). A process that dies is noticed at
     once; a silent one only after this. Sized for a first step that compiles the model on a slow
     node while the others wait; lower it to learn of a cut-off node sooner."""
+    hang_factor: float = 20.0
+    """The watchdog: a rank on which no step completes within this many times the slowest step
+    it has run (and at least `hang_min_s`) writes every thread's stack to its log and exits
+    with code 124, which the launcher's in-job restart treats as a crash. 0 turns it off."""
+    hang_min_s: float = 300.0
+    """The least time the watchdog waits for a step, however fast the steps were."""
+    hang_first_s: float = 1800.0
+    """What the watchdog waits for a job's first two steps (compiling, the first batches) and
+    for an evaluation, a checkpoint save or a reload."""
+    straggler_factor: float = 1.5
+    """A rank whose own part of a step (its data wait and computation, before it waits for the
+    others) takes more than this many times the median rank's, and 50 ms more, at
+    `straggler_intervals` log intervals in a row, is named in a warning. 0 turns the warning off
+    (the TensorBoard scalars train/slowest_rank_ms and train/straggler_ratio stay)."""
+    straggler_intervals: int = 3
+    """Log intervals in a row that a rank must be slow at to be named."""
 
 
 @dataclass
@@ -299,6 +315,16 @@ class FaultSection:
     step, however fast it trains, to cut, kill or preempt a node there."""
     step_stall_from: int = 0
     """The first step that `step_stall_file` holds."""
+    hang_read_rank: int = -1
+    """This rank blocks forever in its data read before optimizer step `hang_read_step`, as a
+    read from a stuck network file system would, in a job's first start of its ranks only (an
+    in-job restart runs clean); -1: none."""
+    hang_read_step: int = 0
+    """The step whose data read `hang_read_rank` blocks."""
+    slow_rank: int = -1
+    """This rank sleeps `slow_rank_s` before each of its data reads: a straggler; -1: none."""
+    slow_rank_s: float = 0.0
+    """How long `slow_rank` sleeps per read."""
 
 
 REPLACED_SUFFIX = ".replaced-%Y%m%d-%H%M%S"

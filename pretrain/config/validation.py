@@ -54,6 +54,11 @@ def validate(cfg: RunConfig, world_size: int, has_gpu: bool, cautions: bool = Tr
     require(cfg.train.spike_window >= 2, "train.spike_window", "must be >= 2")
     require(cfg.train.spike_sigmas > 0, "train.spike_sigmas", "must be > 0")
     require(cfg.train.collective_timeout > 0, "train.collective_timeout", "must be > 0 (seconds)")
+    for key in ("train.hang_factor", "train.straggler_factor"):
+        require(get_key(cfg, key) == 0 or get_key(cfg, key) > 1, key, "must be > 1 (or 0: off)")
+    for key in ("train.hang_min_s", "train.hang_first_s"):
+        require(get_key(cfg, key) > 0, key, "must be > 0 (seconds)")
+    require(cfg.train.straggler_intervals >= 1, "train.straggler_intervals", "must be >= 1")
 
     require(cfg.optimizer.lr > 0, "optimizer.lr", "must be > 0")
     require(len(cfg.optimizer.betas) == 2 and all(0 <= b < 1 for b in cfg.optimizer.betas),

@@ -53,11 +53,56 @@ def distributed_env() -> tuple[int, int, int]:
     return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"])
 
 
+def init_distributed(timeout_s: float, on_gpu: bool) -> None:
+    """Join the job's process group (and DeepSpeed's view of it), collectives timing out after
+    `timeout_s`.
+
+    Under torchrun the workers meet in the store of the launcher's agent, which outlives an
+    in-job restart. The keys of the attempt before a restart (each rank's gloo address, the
+    groups' barriers) are still there, and a restarted rank read the dead rank 0's address from
+    them and failed to connect ("connectFullMesh failed ... Connection refused"). So each attempt
+    keeps its keys under a namespace of its own: the one the launcher agreed on for every node
+    (ATTEMPT_VARIABLE), or, under plain torchrun on one node, the restart count."""
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.accelerator import get_accelerator
+
+    from common.cli import ATTEMPT_VARIABLE
+
+    env, timeout = os.environ, timedelta(seconds=timeout_s)
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and not dist.is_initialized():
+        attempt = env.get(ATTEMPT_VARIABLE) or f"restart-{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        rank, world_size, local_rank = distributed_env()
+        agent_store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size, is_master=False,
+                                    timeout=timeout)
+        # as DeepSpeed would make it: a GPU process binds its device (NCCL's eager communicator)
+        device = {"device_id": torch.device("cuda", local_rank)} if on_gpu and world_size > 1 else {}
+        dist.init_process_group(get_accelerator().communication_backend_name(),
+                                store=dist.PrefixStore(f"pretrain/{attempt}/", agent_store), rank=rank,
+                                world_size=world_size, timeout=timeout, **device)
+    deepspeed.init_distributed(verbose=False, timeout=timeout)
+
+
 GLOO_PEER_ERROR = re.compile(r"\] ([^\[\]]*?) ?\[([0-9A-Fa-f.:]+)\]:\d+(?:: ([^.\n]+))?")
 """gloo's message for a connection to a peer that broke, in its two forms: `[SOURCE] Read error
 [ADDRESS]:PORT: REASON` (the peer reset it) and `[SOURCE] Connection closed by peer [ADDRESS]:PORT`
 (the peer's kernel closed it in order when its process died); which one a survivor sees depends on
 whether the dead peer had unread data."""
+
+
+def host_names() -> list[str]:
+    """Every rank's host name, by rank (a collective once distributed)."""
+    import torch.distributed as dist
+
+    names = [socket.gethostname()]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        names = [""] * dist.get_world_size()
+        dist.all_gather_object(names, socket.gethostname())
+    return names
+
+
+LOST_PEER_PREFIX = "error: a collective failed"
+"""How `lost_peer_line` begins: the launcher tells a rank that lost its peer from one that failed."""
 
 
 def lost_peer_line(error: BaseException, timeout_s: float) -> str | None:
@@ -82,7 +127,7 @@ def lost_peer_line(error: BaseException, timeout_s: float) -> str | None:
         what = f"another process sent nothing for train.collective_timeout={timeout_s:g} s"
     else:
         what = text.strip().splitlines()[0][:300]
-    return (f"error: a collective failed on {socket.gethostname()}, {what}; a node of the job failed "
+    return (f"{LOST_PEER_PREFIX} on {socket.gethostname()}, {what}; a node of the job failed "
             "or was cut off, and the job cannot go on without it: rerun it (a Slurm job is "
             "requeued) to resume from the newest complete checkpoint")
 

@@ -1,10 +1,12 @@
 """Test-only fault injection (config section `fault`): what the tests of the trainer's recovery
-from non-finite updates inject into a real run, and the hold at a given step that the
-multi-node tests cut or kill a node in."""
+from non-finite updates inject into a real run, the hold at a given step that the multi-node
+tests cut or kill a node in, and a rank's data read that hangs or lags (the watchdog's and the
+straggler warning's tests)."""
 from __future__ import annotations
 
 import math
 import os
+import threading
 import time
 
 import torch
@@ -38,3 +40,19 @@ class Faults:
         path = self.fault.step_stall_file
         while path and step >= self.fault.step_stall_from and os.path.exists(path) and not stops.signum:
             time.sleep(0.1)
+
+    def read(self, step: int) -> None:
+        """Before optimizer `step`'s data read: this rank lags (`slow_rank`), or blocks forever
+        (`hang_read_rank`, in the job's first start of its ranks: an in-job restart reads on)."""
+        fault = self.fault
+        if self.rank == fault.slow_rank:
+            time.sleep(fault.slow_rank_s)
+        first_start = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if self.rank == fault.hang_read_rank and step == fault.hang_read_step and first_start:
+            stuck_network_read()
+
+
+def stuck_network_read() -> None:
+    """What a read from a hung network file system does: never return (the name the watchdog's
+    stack dump shows)."""
+    threading.Event().wait()

@@ -10,7 +10,7 @@ import resource
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -50,6 +50,9 @@ class StepResult:
     """Part of `time_s` spent waiting for batches."""
     tokens: int
     """Training tokens of the step, all ranks."""
+    rank_times: list[float] = field(default_factory=list)
+    """On log steps: every rank's computation time, then every rank's data wait, in seconds, up
+    to the step's last backward (its own part of the step: `stragglers`); empty otherwise."""
 
 
 class Throughput:

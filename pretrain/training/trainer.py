@@ -14,7 +14,6 @@ import math
 import platform
 import time
 from dataclasses import asdict
-from datetime import timedelta
 from typing import Iterator
 
 import torch
@@ -28,8 +27,9 @@ from pretrain.config.precision import resolve_precision
 from pretrain.models import build, family_name, family_spec
 from pretrain.training.checkpoint import CheckpointManager, ResumeState, data_identity
 from pretrain.training.engine import (COMPILE_CACHE_FILE, configure_device_math, deepspeed_config, distributed_env,
-                                      initialize, load_compile_cache, save_compile_cache, seed_process,
-                                      time_out_every_group, training_device, use_current_collectives)
+                                      host_names, init_distributed, initialize, load_compile_cache,
+                                      save_compile_cache, seed_process, time_out_every_group, training_device,
+                                      use_current_collectives)
 from pretrain.training.evaluation import EvalResult, evaluate, evaluate_downstream
 from pretrain.training.faults import Faults
 from pretrain.training.flops import peak_tflops
@@ -37,7 +37,9 @@ from pretrain.training.metrics import Metrics, StepResult, Throughput, diagnosti
 from pretrain.training.optim import SpikeGuard, build_optimizer, length_change_note, lr_factor, param_groups, set_lr
 from pretrain.training.preflight import check_dataset, evaluates, preflight
 from pretrain.training.stopping import EXIT_PREEMPTED, StopSignals, ignore_stop_signals
+from pretrain.training.stragglers import Stragglers
 from pretrain.training.summary import SUMMARY_FILE, LengthChange, RunRecord, TrainState
+from pretrain.training.watchdog import Watchdog
 
 class NonFiniteError(RuntimeError):
     """Non-finite updates keep coming back after reloading the last good checkpoint."""
@@ -66,19 +68,20 @@ class Trainer:
         self.resume_notes: list[str] = []
         self.batches = self.data = self.manifest = None
         self.faults = Faults(cfg.fault, self.rank)
+        self.watchdog = Watchdog(cfg.train.hang_factor, cfg.train.hang_min_s, cfg.train.hang_first_s, self.rank)
         self.session_start = time.perf_counter()
         self.stops = StopSignals(self.rank)
 
     # --- setup ----------------------------------------------------------------------------
 
     def setup(self) -> None:
-        import deepspeed
         from data_pipeline.loader import build_loader, read_manifest
 
         cfg = self.cfg
-        deepspeed.init_distributed(verbose=False, timeout=timedelta(seconds=cfg.train.collective_timeout))
+        init_distributed(cfg.train.collective_timeout, self.on_gpu)
         use_current_collectives()
         preflight(cfg, self.checkpoints)  # before any work
+        self.stragglers = Stragglers(cfg.train.straggler_factor, cfg.train.straggler_intervals, host_names())
         self.manifest = manifest = self.prepare_data()
         self.data = data_identity(manifest, [(read_manifest(entry.path), entry.proportion, entry.repeat)
                                              for entry in cfg.data.mixture])
@@ -167,9 +170,10 @@ class Trainer:
 
     def save(self) -> None:
         self.state.wall_time_s, self.session_start = self._wall_time(), time.perf_counter()
-        tag_dir = self.checkpoints.save(self.engine, self.state.step,
-                                        {"train_state": asdict(self.state), "loader": self.loader.state_dict()},
-                                        asdict(self.model_config), self.data)
+        with self.watchdog.longer():
+            tag_dir = self.checkpoints.save(self.engine, self.state.step,
+                                            {"train_state": asdict(self.state), "loader": self.loader.state_dict()},
+                                            asdict(self.model_config), self.data)
         self.metrics.print(f"saved checkpoint {tag_dir.name}")
 
     def keep_compiled_graphs(self) -> None:
@@ -221,12 +225,15 @@ class Trainer:
         consecutive_skips = 0
         last_eval = last_save = -1
         self.stops.looping = True
+        self.watchdog.start()
         while self.state.step < self.total_steps:
             update = self.state.step + 1
             # the first update too, so that curves and console show where the loss started
             log_now = update % cfg.train.log_interval == 0 or update in (1, self.total_steps)
-            self.faults.hold(update, self.stops)
+            with self.watchdog.longer():
+                self.faults.hold(update, self.stops)
             result = self.train_step(log_now)
+            self.watchdog.step_done(result.time_s)
             self.metrics.advance()
             if result.nonfinite:
                 self.state.skipped_steps += 1
@@ -241,6 +248,7 @@ class Trainer:
                                    f"{result.grad_norm:.4g}: a spike, update skipped on all ranks")
             if log_now:
                 self.metrics.log_step(self.state.step, result, self.throughput, self.state)
+                self.name_stragglers(result)
 
             if consecutive_skips >= cfg.train.max_consecutive_skips:
                 self._reload_after_nonfinite(consecutive_skips)
@@ -270,6 +278,12 @@ class Trainer:
         self.metrics.close()
         return 0
 
+    def name_stragglers(self, result: StepResult) -> None:
+        scalars, warnings = self.stragglers.observe(result.rank_times)
+        self.metrics.scalars(self.state.step, scalars)
+        for line in warnings:
+            self.metrics.print(line)
+
     def train_step(self, log_now: bool) -> StepResult:
         """One optimizer step over the batch split's micro-batches on every rank; the run's state
         counts it (its step and tokens seen), whether or not the update was applied."""
@@ -285,10 +299,13 @@ class Trainer:
         diagnostics = {}
         for micro in range(self.split.accumulation_steps):
             t0 = time.perf_counter()
+            self.watchdog.reading = True
+            self.faults.read(step + 1)
             # The loader's own random draws (worker seeds when it starts an epoch, which a
             # resumed run does at a different step) must not move the training RNG.
             with torch.random.fork_rng(devices=[]):
                 inputs, targets = next(self.batches)
+            self.watchdog.reading = False
             data_wait += time.perf_counter() - t0
             inputs = inputs.to(self.device, non_blocking=True)
             targets = targets.to(self.device, non_blocking=True)
@@ -303,18 +320,24 @@ class Trainer:
             finite = torch.isfinite(loss)
             nonfinite += ~finite
             loss_sum += torch.where(finite, loss.detach(), 0.0)
+            if last_micro:
+                # The update's loss over all ranks, before the optimizer step the spike guard
+                # vetoes, and on log steps each rank's own part of the step (`stragglers`). It is
+                # reduced before the last backward, whose gradient reduction makes every rank
+                # wait for the slowest: up to here a rank's time is its own.
+                # Filled on the device: torch.tensor(flag, device=...) would be a copy that waits.
+                stop_requested = torch.full((), float(self.stops.signum != 0), device=self.device)
+                stats = torch.stack([loss_sum, nonfinite, stop_requested])
+                if log_now:
+                    stats = torch.cat([stats, self.own_step_times(start, data_wait)])
+                dist.all_reduce(stats)
             # A non-finite loss must make the gradients non-finite too (they may not be, e.g.
             # for a NaN added outside the graph), so that ZeRO's check skips the update.
             engine.backward(loss * torch.where(finite, 1.0, math.nan))
             if last_micro:
                 if log_now and self.rank == 0:
                     diagnostics = diagnostic_scalars(model_diagnostics, family_name(self.model_config))
-                # the update's loss over all ranks, before the optimizer step the spike guard vetoes
-                # filled on the device: torch.tensor(flag, device=...) would be a copy that waits for the backward
-                stop_requested = torch.full((), float(self.stops.signum != 0), device=self.device)
-                stats = torch.stack([loss_sum, nonfinite, stop_requested])
-                dist.all_reduce(stats)
-                loss_total, nonfinite_total, stop = stats.tolist()
+                loss_total, nonfinite_total, stop, *rank_times = stats.tolist()
                 mean_loss = loss_total / (self.split.accumulation_steps * self.world_size)
                 self.spikes.arm(self.state, mean_loss)
             engine.step()
@@ -327,18 +350,31 @@ class Trainer:
         result = StepResult(loss=mean_loss, nonfinite=skipped_by_fault, spike=self.spikes.settle(), lr=lr, lrs=lrs,
                             time_s=time.perf_counter() - start, data_wait_s=data_wait, tokens=cfg.tokens_per_step,
                             grad_norm=None if grad_norm is None else float(grad_norm), diagnostics=diagnostics,
-                            stop=stop > 0)
+                            stop=stop > 0, rank_times=rank_times)
         self.throughput.add(result)
         self.state.step += 1
         self.state.tokens_seen += result.tokens
         return result
+
+    def own_step_times(self, step_start: float, data_wait_s: float) -> torch.Tensor:
+        """This rank's slots of every rank's (computation, data wait) in seconds, zeros elsewhere,
+        for the step's all-reduce to fill in: its own part of the step so far. On a GPU the
+        host waits for the device first (on log steps only), or the time would be the launches'."""
+        if self.on_gpu:
+            torch.cuda.synchronize(self.device)
+        elapsed_s = time.perf_counter() - step_start
+        times = torch.zeros(2 * self.world_size, device=self.device)
+        times[self.rank] = elapsed_s - data_wait_s
+        times[self.world_size + self.rank] = data_wait_s
+        return times
 
     def _reload_after_nonfinite(self, skips: int) -> None:
         where = f"{skips} consecutive non-finite updates up to step {self.state.step}"
         if self.state.reloads >= self.cfg.train.max_reloads:
             raise NonFiniteError(f"{where}, after {self.state.reloads} reload(s) of the last good "
                                  f"checkpoint (train.max_reloads); lower optimizer.lr or check the data")
-        resumed = self.checkpoints.reload_newest(self.engine)
+        with self.watchdog.longer():
+            resumed = self.checkpoints.reload_newest(self.engine)
         if resumed is None:
             raise NonFiniteError(f"{where} and no checkpoint to reload; lower optimizer.lr or "
                                  "check the data")
@@ -370,10 +406,15 @@ class Trainer:
             self.__dict__.pop(name, None)
         gc.collect()
         self.stops.restore()
+        self.watchdog.stop()
 
     # --- evaluation and summary -----------------------------------------------------------
 
     def run_eval(self) -> EvalResult:
+        with self.watchdog.longer():
+            return self._run_eval()
+
+    def _run_eval(self) -> EvalResult:
         result = evaluate(self.engine, self.val_loader, self.cfg.eval, self.device, self.cfg.seed, self.manifest)
         state = self.state
         state.record_eval(result.loss, result.think_losses, result.dynamics)
