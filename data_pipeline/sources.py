@@ -35,6 +35,7 @@ import io
 import json
 import os
 import re
+import shlex
 import zlib
 from collections import Counter
 from dataclasses import dataclass, field
@@ -132,6 +133,22 @@ def archive_texts(archive, stats: SourceStats) -> Iterator[str]:
         yield hub.normalize_document(decode_utf8(raw, stats, archive.name))
 
 
+_SKIP_BAD_LINES_HINT = "--skip-bad-lines to skip such lines"
+
+
+def _missing_text_field(record, text_field: str) -> str:
+    """Why a jsonl record holds no text, with the option that helps: when the record has string
+    fields, --text-field naming its longest one (most likely the text), else --skip-bad-lines."""
+    strings = ({key: value for key, value in record.items() if isinstance(value, str)}
+               if isinstance(record, dict) else {})
+    problem = f"no string field {text_field!r}"
+    if not strings:
+        return f"{problem} (pass {_SKIP_BAD_LINES_HINT})"
+    longest = max(strings, key=lambda key: len(strings[key]))
+    return (f"{problem} (its string fields: {', '.join(strings)}); pass --text-field "
+            f"{shlex.quote(longest)}, or {_SKIP_BAD_LINES_HINT}")
+
+
 @dataclass
 class Source:
     """A parsed `--source` spec; `documents()` streams its documents."""
@@ -210,7 +227,7 @@ class Source:
                     try:
                         record = json.loads(decode_utf8(raw, self.stats, path))
                     except json.JSONDecodeError as err:
-                        problem = f"not valid JSON ({err.msg})"
+                        problem = f"not valid JSON ({err.msg}) (pass {_SKIP_BAD_LINES_HINT})"
                     else:
                         text = record.get(self.text_field) if isinstance(record, dict) else None
                         if isinstance(text, str):
@@ -220,10 +237,9 @@ class Source:
                                 self.stats.lone_surrogate_replacements += replaced
                             yield text
                             continue
-                        problem = f"no string field {self.text_field!r}"
+                        problem = _missing_text_field(record, self.text_field)
                     if not self.skip_bad_lines:
-                        raise DataError(f"{path}:{line_no}: {problem} "
-                                        "(pass --skip-bad-lines to skip such lines)")
+                        raise DataError(f"{path}:{line_no}: {problem}")
                     self.stats.skipped_lines += 1
 
     def _text(self) -> Iterator[str]:

@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from common.cli import ArgumentParser, positive_int
+
 SUBNET = "10.213.7"
 """The cluster's private /24: the controller's bridge is .1, node k is .(10 + k)."""
 BRIDGE = "pretrainbr0"
@@ -321,10 +323,16 @@ def wait_until(condition, what: str, timeout: float = 240) -> float:
     return time.perf_counter()
 
 
-def main(argv: list[str]) -> int:
-    if len(argv) != 3 or argv[0] != "up":
-        print("usage: python -m tests.cluster up NODES DIR", file=sys.stderr)
-        return 2
+def main(argv: list[str] | None = None) -> int:
+    parser = ArgumentParser(prog="python -m tests.cluster", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    up = commands.add_parser("up", help="start a cluster and print the SLURM_CONF to export; "
+                                        "Ctrl-C tears it down")
+    up.add_argument("nodes", metavar="NODES", type=positive_int, help="how many nodes (n1, n2, ...)")
+    up.add_argument("dir", metavar="DIR", type=Path,
+                    help="where everything the cluster writes lives; outside /tmp, which each "
+                         "node has its own of")
+    args = parser.parse_args(argv)
     reason = missing()
     if reason:
         print(f"error: {reason}", file=sys.stderr)
@@ -333,7 +341,7 @@ def main(argv: list[str]) -> int:
     # shell leaves SIGINT ignored)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    cluster = Cluster(Path(argv[2]).resolve(), int(argv[1]))
+    cluster = Cluster(args.dir.resolve(), args.nodes)
     try:
         cluster.up()
         print(f"export SLURM_CONF={cluster.conf}   # Ctrl-C tears the cluster down", flush=True)
@@ -346,4 +354,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

@@ -58,6 +58,11 @@ CASES = {
     "line without text": (
         lambda d: ["--source", f"jsonl:{jsonl(d / 'f.jsonl', GOOD[:3] + [{'body': 'x'}])}"],
         r"f\.jsonl:4: no string field 'text'"),
+    # the hint names the option that reads the text from the field it is in
+    "text in another field": (
+        lambda d: ["--source", f"jsonl:{jsonl(d / 'o.jsonl', [{'url': 'u', 'content': 'ab', 'n': 1}])}"],
+        r"o\.jsonl:1: no string field 'text' \(its string fields: url, content\); pass --text-field "
+        r"content, or --skip-bad-lines to skip such lines$"),
     "text field not a string": (
         lambda d: ["--source", f"jsonl:{jsonl(d / 'g.jsonl', [{'text': 3}] + GOOD)}"],
         r"g\.jsonl:1: no string field 'text'"),
@@ -201,7 +206,7 @@ def test_jsonl_and_text_files_may_start_with_a_byte_order_mark(tmp_path, capsys)
 
 
 def test_any_exception_in_a_unit_of_work_becomes_one_line():
-    from data_pipeline.prepare import _load_tokenizer, _tokenize_unit
+    from data_pipeline.tokenizing import _load_tokenizer, _tokenize_unit
     from data_pipeline.sources import DataError
 
     _load_tokenizer({"tokenizer": "char", "chars": ["a"]}, 0.0)
@@ -216,7 +221,7 @@ def test_ctrl_c_reaching_the_tokenizer_processes_is_left_to_the_parent():
     no broken pool) and the parent alone stops the run."""
     import signal
 
-    from data_pipeline.prepare import _tokenized_chunks
+    from data_pipeline.tokenizing import tokenized_chunks
     from trainer_runs import process_tree
 
     docs = [f"document {i} " * 40 for i in range(256 * 12)]
@@ -225,7 +230,7 @@ def test_ctrl_c_reaching_the_tokenizer_processes_is_left_to_the_parent():
     # started with SIGINT ignored (a background job of a shell without job control)
     inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        results = _tokenized_chunks(iter(docs), {"tokenizer": "gpt2"}, 0.0, num_proc=2)
+        results = tokenized_chunks(iter(docs), {"tokenizer": "gpt2"}, 0.0, num_proc=2)
         first = next(results)
     finally:
         signal.signal(signal.SIGINT, inherited)
@@ -235,20 +240,20 @@ def test_ctrl_c_reaching_the_tokenizer_processes_is_left_to_the_parent():
         chunks = [first, *results]
     except KeyboardInterrupt:  # a worker's, handed to the parent as its chunk's result
         pytest.fail("the tokenizer processes took Ctrl-C")
-    expected = list(_tokenized_chunks(iter(docs), {"tokenizer": "gpt2"}, 0.0, num_proc=1))
+    expected = list(tokenized_chunks(iter(docs), {"tokenizer": "gpt2"}, 0.0, num_proc=1))
     assert [[t.tolist() for t in c.tokens] for c in chunks] == [[t.tolist() for t in c.tokens] for c in expected]
 
 
 def test_a_killed_tokenizer_process_fails_the_run_instead_of_hanging():
     import signal
 
-    from data_pipeline.prepare import _tokenized_chunks
+    from data_pipeline.tokenizing import tokenized_chunks
     from data_pipeline.sources import DataError
     from trainer_runs import process_tree
 
     docs = [f"document {i} " * 40 for i in range(256 * 40)]  # 40 chunks, 12 in flight
     before = set(process_tree(os.getpid()))
-    results = _tokenized_chunks(iter(docs), {"tokenizer": "gpt2"}, 0.0, num_proc=2)
+    results = tokenized_chunks(iter(docs), {"tokenizer": "gpt2"}, 0.0, num_proc=2)
     next(results)
     workers = sorted(set(process_tree(os.getpid())) - before)
     assert len(workers) == 2

@@ -10,8 +10,9 @@ import yaml
 import trainer_runs as runs
 from conftest import TINY_SETTINGS
 from data_pipeline.loader import build_loader
-from data_pipeline.prepare import is_val_document, prepare
+from data_pipeline.prepare import prepare
 from data_pipeline.tokenizer import GPT2_EOT_ID, gpt2_encoding, token_byte_lengths
+from data_pipeline.tokenizing import is_val_document
 from pretrain.training.evaluation import bits_per_byte
 
 

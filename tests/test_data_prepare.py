@@ -11,10 +11,11 @@ import pytest
 import tiktoken
 
 from conftest import TINY_SETTINGS, run_at_once
-from data_pipeline.prepare import ensure_prepared, is_val_document, prepare
+from data_pipeline.prepare import ensure_prepared, prepare
 from data_pipeline.sources import DataError, parse_source
 from data_pipeline.streaming_compat import streaming
 from data_pipeline.tokenizer import GPT2_EOT_ID, _gpt2_files_dir, decode, gpt2_encoding
+from data_pipeline.tokenizing import is_val_document
 
 GPT2_FILE_URLS = {
     "vocab.bpe": "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe",
