@@ -23,6 +23,10 @@ Choices that are not streaming's defaults, and why:
 - Shards are checked against the sizes (when the loader is built) and xxh64 checksums (when a
   process first reads from a shard) in the split's `index.json`, so a corrupted or truncated
   shard is an error naming the shard, not a wrong batch.
+- Failures in workers: streaming only logs an exception of its threads that make shards local
+  (a disk filled by decompressing one) and then ends the epoch early or waits for ever; here it
+  reaches the reader. What a DataLoader raises about a worker (its exception with its traceback,
+  or its death) becomes one line (`data_worker_error`), and the workers are stopped at once.
 - Mixtures: several prepared datasets (one tokenizer, one seq_len) are streaming `Stream`s of
   one `StreamingDataset`, each with a `proportion` of every epoch or a `repeat` count, so a
   mixture partitions, shuffles and resumes exactly like a single dataset. With proportions an
@@ -37,6 +41,7 @@ import fcntl
 import mmap
 import multiprocessing.resource_tracker
 import os
+import re
 import signal
 import tempfile
 from typing import Any, Iterator
@@ -45,7 +50,7 @@ import numpy as np
 import torch
 
 from common.fileio import read_json
-from data_pipeline.errors import DataError
+from data_pipeline.errors import DataError, DataWorkerError
 from data_pipeline.packing import INDEX, SHARD_HASH, read_manifest
 from data_pipeline.streaming_compat import streaming
 
@@ -207,6 +212,41 @@ class WindowDataset(streaming.StreamingDataset):
         self.batching_method = ANY_NODE_COUNT
         self.verify = verify
         self.mapped_shards: dict[int, np.ndarray] = {}
+        self.background_failure: BaseException | None = None
+        """What failed in this process's streaming threads (see `on_exception`)."""
+
+    def on_exception(self, future) -> None:
+        """Streaming's callback as each of its two threads that make shards local ahead of the
+        reader (e.g. decompress them, which can fill a disk) ends. Streaming raises a failed
+        thread's exception here, where concurrent.futures only logs it with a traceback; its
+        reader then ends the epoch as if it were complete, and waits for ever for the failed
+        thread to say that it exited. This keeps the exception for the reader to raise, and
+        counts the failed thread as exited."""
+        if future.exception() is not None:
+            self.background_failure = future.exception()
+            self._event.set()  # stops the other thread and the reader
+            self._iterator.on_exit()
+
+    def prepare_shard(self, shard_id: int, blocking: bool = True) -> None:
+        """Streaming's, except that a shard this process failed to make local is marked as not
+        local again rather than as being prepared for ever (streaming raises only while it
+        prepares the shard itself): every reader waiting for it, in this process or another
+        worker, then tries it and meets the error itself instead of waiting for ever."""
+        try:
+            super().prepare_shard(shard_id, blocking)
+        except BaseException:
+            self._shard_states[shard_id] = streaming.base.dataset._ShardState.REMOTE
+            raise
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        try:
+            yield from super().__iter__()
+        except Exception:
+            if self.background_failure is None:
+                raise
+            raise self.background_failure from None  # rather than streaming's "Background thread failed"
+        if self.background_failure is not None:  # streaming's reader stops quietly after one
+            raise self.background_failure
 
     def get_item(self, sample_id: int, retry: int = 7) -> np.ndarray:
         shard_id, index = self.spanner[sample_id]
@@ -244,6 +284,38 @@ def inputs_targets(batch: dict[str, np.ndarray], pin_memory: bool) -> tuple[torc
     return inputs, targets
 
 
+WORKER_EXCEPTION = re.compile(r"Caught (\w+) in DataLoader worker process (\d+)\.\nOriginal Traceback")
+"""How a DataLoader raises an exception of one of its workers in the main process: of the same
+type (RuntimeError where that type cannot be made from a message), with this message and then
+the worker's traceback, whose last line is `module.Type: message`."""
+WORKER_DIED = re.compile(r"DataLoader worker \(pid(?:\(s\))? ([\d, ]+)\) (?:is (killed by signal: [^.]*)|exited "
+                         r"unexpectedly(?: with (exit code -?\d+))?)")
+"""A DataLoader's RuntimeError for a worker that died, raised when the loader waits for it or,
+from its SIGCHLD handler, wherever the main process is at the time."""
+
+
+def data_worker_error(error: BaseException) -> DataError | DataWorkerError | None:
+    """A one-line error for what a DataLoader raised about one of its workers, without the
+    worker's traceback: a DataError with the worker's own message (bad data), a DataWorkerError
+    for another exception in a worker or a worker that died; None for any other error."""
+    text = str(error)
+    if raised := WORKER_EXCEPTION.match(text):
+        name, worker = raised.groups()
+        message = text.rstrip().splitlines()[-1].partition(": ")[2]
+        if isinstance(error, DataError):
+            return DataError(message)
+        return DataWorkerError(f"data loader worker {worker} failed: {name}: {message}")
+    if isinstance(error, RuntimeError) and (died := WORKER_DIED.match(text)):
+        if error.__cause__ is not None and WORKER_DIED.match(str(error.__cause__)):
+            # where the SIGCHLD handler's exception (naming the signal) interrupts the loader's
+            # wait for a batch, the loader raises "exited unexpectedly" from it
+            return data_worker_error(error.__cause__)
+        pids, signal_name, exit_code = died.groups()
+        return DataWorkerError(f"data loader worker (pid {pids}) died: "
+                               f"{signal_name or exit_code or 'it exited unexpectedly'}")
+    return None
+
+
 class TokenLoader:
     """Iterates (inputs, targets) int64 tensors `[micro_batch_size, seq_len]` for this rank.
 
@@ -268,12 +340,18 @@ class TokenLoader:
         empty_epochs = 0
         while True:
             produced = False
-            for batch in self.dataloader:
-                if not produced:
-                    # Streaming advanced its shared epoch counter when this epoch started.
-                    self.epoch = int(self.dataset.next_epoch) - 1
-                produced = True
-                yield inputs_targets(batch, self.pin_memory)
+            try:
+                for batch in self.dataloader:
+                    if not produced:
+                        # Streaming advanced its shared epoch counter when this epoch started.
+                        self.epoch = int(self.dataset.next_epoch) - 1
+                    produced = True
+                    yield inputs_targets(batch, self.pin_memory)
+            except Exception as error:
+                failure = data_worker_error(error)
+                if failure is None:
+                    raise
+                raise failure from None
             if not self.repeat:
                 return
             # A restored position at the very end of an epoch gives one empty epoch; two in a

@@ -15,6 +15,7 @@ import types
 from typing import Any, Iterator
 
 from torch.utils.data import DataLoader
+from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
 
 class SampleCountingLoader(DataLoader):
@@ -29,9 +30,26 @@ class SampleCountingLoader(DataLoader):
 
     def __iter__(self) -> Iterator[Any]:
         self.num_samples_yielded = 0
-        for batch in super().__iter__():
-            self.num_samples_yielded += len(next(iter(batch.values())) if isinstance(batch, dict) else batch[0])
-            yield batch
+        batches = super().__iter__()
+        try:
+            for batch in batches:
+                self.num_samples_yielded += len(next(iter(batch.values())) if isinstance(batch, dict) else batch[0])
+                yield batch
+        finally:
+            # Stop this iteration's workers now, also after an error. Left to garbage collection,
+            # they would outlive the run: the exception torch re-raises from a worker is in a
+            # reference cycle with its traceback, which holds this frame and so the iterator, and
+            # at exit multiprocessing stops its children with SIGTERM, which the trainer's workers
+            # ignore (`ignore_stop_signals`), then waits for them without a time limit. (A
+            # persistent workers' iterator is the loader's own, stopped by `__del__`.)
+            if isinstance(batches, _MultiProcessingDataLoaderIter) and batches is not self._iterator:
+                batches._shutdown_workers()
+                for worker in batches._workers:
+                    # left by torch's SIGTERM, its last resort for a worker that did not stop
+                    # within 5 s of being asked (blocked in a read or in a wait of streaming's)
+                    if worker.is_alive():
+                        worker.kill()
+                        worker.join()
 
     def state_dict(self) -> dict[str, Any]:
         from streaming.base.world import World

@@ -207,15 +207,15 @@ def _failure(failures: dict, reports: dict[int, tuple[int, str]], stopped: set[i
     first, (code, line) = causes[rank], reports.get(rank, (None, ""))
     final = any(reports.get(r, (0, ""))[0] not in (0, EXIT_HUNG) and r not in lost_peer and r in reports
                 for r in causes)
-    if rank in lost_peer:
-        how = "lost its connection to another node's rank"
+    if rank in lost_peer:  # what the rank said of its peer, without its advice to rerun
+        how = ": " + line.removeprefix("error: ").split(";")[0]
     elif code == EXIT_HUNG:
         how = "hung: its watchdog ended it (its output has every thread's stack)"
     elif code is None:
         how = (f"died of {first.signal_name()}" if first.exitcode < 0 else
                f"exited with code {first.exitcode} without reporting an error")
     else:
-        how = line.removeprefix("error: ") or f"exited with code {code}"
+        how = ": " + (line.removeprefix("error: ") or f"exited with code {code}")
     return f"rank {rank} (pid {first.pid}) on {socket.gethostname()} {how}", final
 
 

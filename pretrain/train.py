@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.world_size is not None and args.world_size < 1:
         parser.error(f"argument --world-size: must be >= 1, got {args.world_size}")
-    from data_pipeline.errors import DataError
+    from data_pipeline.errors import DataError, DataWorkerError
 
     error, lost_peer, cfg = "", None, None
     try:
@@ -60,19 +60,25 @@ def main(argv: list[str] | None = None) -> int:
             ready = f"{args.config}: ready for {world_size} process(es): {describe_batch_split(cfg, world_size)}"
             print("\n".join([ready, *describe_attention(cfg, on_gpu)]))
         code = 0 if args.check else run(cfg)
-    except (ConfigError, DataError, NonFiniteError, CheckpointError, SummaryError) as e:
+    except (ConfigError, DataError, DataWorkerError, NonFiniteError, CheckpointError, SummaryError) as e:
         error = f"error: {e}"
         code = 2 if isinstance(e, (ConfigError, DataError)) else 1
     except (Aborted, StoppedInSetup, KeyboardInterrupt) as stop:  # KeyboardInterrupt: before the first step
         error, code = stopped_line(stop)
-    except RuntimeError as e:  # a lost peer ends each surviving rank in one line; anything else is a bug
+    except RuntimeError as e:  # a lost peer or a dead data loader worker is one line; anything else is a bug
+        from data_pipeline.loader import data_worker_error
+
         lost_peer = lost_peer_line(e, cfg.train.collective_timeout if cfg else 0)
-        if lost_peer is None:
+        # torch reports a dead worker from its SIGCHLD handler, wherever the step is at the time
+        worker_died = data_worker_error(e)
+        if lost_peer is None and worker_died is None:
             raise
-        error, code = lost_peer, 1
+        error, code = lost_peer or f"error: {worker_died}", 1
     # Rank 0 says why the job ended; after a lost peer every rank says so in its own log (under
-    # torchrun the launcher says it once per node, from the exit files).
-    if error and (int(os.environ.get("RANK", "0")) == 0 or (lost_peer and not os.environ.get(EXIT_DIR_VARIABLE))):
+    # torchrun the launcher says it once per node, from the exit files, or rather the failure of
+    # the rank that was lost where that node has it).
+    rank_0, under_launcher = int(os.environ.get("RANK", "0")) == 0, bool(os.environ.get(EXIT_DIR_VARIABLE))
+    if error and (rank_0 and not lost_peer or lost_peer and not under_launcher):
         print(error, file=sys.stderr, flush=True)
     if dist.is_initialized() and not lost_peer:  # with a peer gone, tearing down could wait on it
         dist.destroy_process_group()

@@ -77,14 +77,17 @@ def workspace() -> Path:
     return Path(os.environ[WORKSPACE_ENV])
 
 
+CHAR_DATASET = {"seq_len": 32, "val_fraction": 0.05, "tokenizer": "char", "max_docs": 80, "num_proc": 1}
+"""`prepare` settings of the character-level Shakespeare the base config trains on."""
+
+
 @cache
 def char_dataset() -> Path:
     """Character-level Shakespeare (first 80 documents), windows of 33 characters."""
     from data_pipeline.prepare import prepare
 
     path = workspace() / "shakespeare-char-32"
-    prepare("shakespeare", str(path), seq_len=32, val_fraction=0.05, tokenizer="char",
-            max_docs=80, num_proc=1)
+    prepare("shakespeare", str(path), **CHAR_DATASET)
     return path
 
 
