@@ -2,7 +2,10 @@
 checkpointing often with `checkpoint.keep=2`, sampled every minute: each rank's resident memory
 (the trainer and its data workers), the run directory's size and the tokens/s of the latest log
 interval. Prints the samples and each figure's growth per hour (a least-squares slope over the
-samples after the first); a leak shows as RSS or disk growing without bound.
+samples after the first); a leak shows as memory or disk growing without bound. Memory per
+rank is given twice: the trainer process's own RSS, and the PSS of the trainer with every process
+under it (its data loader workers are forked from it and share its pages, which RSS would count
+once per process).
 
     python -m bench.soak [--minutes 20] [--every 60] [--out soak.json]
 
@@ -27,9 +30,9 @@ REPO = Path(__file__).resolve().parent.parent
 TOKENS_PER_S = re.compile(r"^step (\d+)/\d+ .*\| ([\d,]+) tok/s", re.M)
 
 
-def rank_rss_mib(launcher_pid: int) -> dict[int, float]:
-    """rank -> resident MiB of its trainer process and every process under it (data loader
-    workers, the resource tracker)."""
+def rank_memory_mib(launcher_pid: int) -> dict[int, tuple[float, float]]:
+    """rank -> (RSS of its trainer process, PSS of the trainer and every process under it: data
+    loader workers, the resource tracker), in MiB."""
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -47,7 +50,7 @@ def rank_rss_mib(launcher_pid: int) -> dict[int, float]:
             return None
         return next((int(v[5:]) for v in environ if v.startswith(b"RANK=")), None)
 
-    rss: dict[int, float] = {}
+    memory: dict[int, tuple[float, float]] = {}
     todo = [launcher_pid]
     while todo:  # down to the first process of each rank: the trainer
         pid = todo.pop()
@@ -55,16 +58,17 @@ def rank_rss_mib(launcher_pid: int) -> dict[int, float]:
         if rank is None:
             todo += children.get(pid, [])
         else:
-            rss[rank] = sum(_rss_kib(p) for p in tree(pid)) / 1024
-    return rss
+            pss_kib = sum(_kib(p, "smaps_rollup", "Pss") for p in tree(pid))
+            memory[rank] = (_kib(pid, "status", "VmRSS") / 1024, pss_kib / 1024)
+    return memory
 
 
-def _rss_kib(pid: int) -> int:
+def _kib(pid: int, file: str, field: str) -> int:
     try:
-        status = Path(f"/proc/{pid}/status").read_text()
+        text = Path(f"/proc/{pid}/{file}").read_text()
     except OSError:
         return 0
-    found = re.search(r"^VmRSS:\s+(\d+) kB", status, re.M)
+    found = re.search(rf"^{field}:\s+(\d+) kB", text, re.M)
     return int(found.group(1)) if found else 0
 
 
@@ -102,7 +106,8 @@ def main() -> None:
             logged = TOKENS_PER_S.findall(log.read_text(errors="replace"))
             sample = {"t_s": round(time.monotonic() - start, 1), "step": int(logged[-1][0]) if logged else 0,
                       "tokens_per_s": float(logged[-1][1].replace(",", "")) if logged else 0.0,
-                      "rss_mib": {rank: round(mib, 1) for rank, mib in sorted(rank_rss_mib(launcher.pid).items())},
+                      "memory_mib": {rank: [round(rss, 1), round(pss, 1)]
+                                     for rank, (rss, pss) in sorted(rank_memory_mib(launcher.pid).items())},
                       "run_dir_mib": round(tree_bytes(run_dir) / 2**20, 2) if run_dir.exists() else 0.0}
             samples.append(sample)
             print(json.dumps(sample), flush=True)
@@ -114,8 +119,9 @@ def main() -> None:
     times = [s["t_s"] for s in steady]
     growth = {"run_dir_mib_per_h": slope_per_hour(times, [s["run_dir_mib"] for s in steady]),
               "tokens_per_s_per_h": slope_per_hour(times, [s["tokens_per_s"] for s in steady])}
-    for rank in steady[0]["rss_mib"] if steady else []:
-        growth[f"rank{rank}_rss_mib_per_h"] = slope_per_hour(times, [s["rss_mib"][rank] for s in steady])
+    for rank in steady[0]["memory_mib"] if steady else []:
+        growth[f"rank{rank}_trainer_rss_mib_per_h"] = slope_per_hour(times, [s["memory_mib"][rank][0] for s in steady])
+        growth[f"rank{rank}_pss_mib_per_h"] = slope_per_hour(times, [s["memory_mib"][rank][1] for s in steady])
     print(f"{len(samples)} samples over {args.minutes:g} min, steps {samples[0]['step']}-{samples[-1]['step']}; "
           f"launcher exit {launcher.returncode}")
     for name, value in growth.items():

@@ -273,14 +273,16 @@ def test_node_lost_mid_checkpoint_requeues_and_resumes_from_the_newest_complete_
 def trainer_pid(node: int, rank: int) -> int:
     """The pid of the trainer process of global `rank` on namespace node `node` (not its loader's
     workers, not its torchrun)."""
-    pids = namespace_cluster.sh("ip", "netns", "pids", f"{namespace_cluster.NETNS_PREFIX}{namespace_cluster.node_name(node)}")
+    namespace = namespace_cluster.NETNS_PREFIX + namespace_cluster.node_name(node)
+    pids = namespace_cluster.sh("ip", "netns", "pids", namespace)
     for pid in pids.stdout.split():
         try:
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             comm = Path(f"/proc/{pid}/comm").read_bytes()
         except OSError:
             continue
-        if f"RANK={rank}".encode() in environ and b"pt_data_worker" not in comm and b"TORCHELASTIC_RESTART_COUNT=0" in environ:
+        first_start = b"TORCHELASTIC_RESTART_COUNT=0" in environ
+        if f"RANK={rank}".encode() in environ and b"pt_data_worker" not in comm and first_start:
             return int(pid)
     raise AssertionError(f"no trainer of rank {rank} on n{node}")
 
@@ -293,7 +295,8 @@ def test_a_rank_killed_on_one_node_restarts_in_the_job_without_a_requeue(slurm, 
     the uninterrupted run's losses."""
     hold = shared / "hold-rank-killed"
     hold.touch()
-    job = submit(slurm, shared, "--nodes=2", overrides=["run_name=rank-killed", *held_from(2 * CKPT_INTERVAL + 2, hold)])
+    job = submit(slurm, shared, "--nodes=2",
+                 overrides=["run_name=rank-killed", *held_from(2 * CKPT_INTERVAL + 2, hold)])
     run = shared / "runs" / "rank-killed"
     wait_until(lambda: (run / "ckpt" / f"step_{2 * CKPT_INTERVAL:08d}" / "complete.json").exists(),
                "the second checkpoint")

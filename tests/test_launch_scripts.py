@@ -150,7 +150,7 @@ def test_sbatch_builds_one_torchrun_per_node(slurm_env):
     calls = sorted(calls[1:])
     config = str(REPO / "configs/tiny/gpt.yaml")
     expected = sorted([
-        f"NODE_RANK={rank} -m pretrain.torchrun --nproc_per_node=4 {TORCHRUN_SIGNALS} "
+        f"NODE_RANK={rank} -m pretrain.torchrun --nproc_per_node=4 --max-restarts=3 {TORCHRUN_SIGNALS} "
         f"--shutdown-timeout=240 --nnodes=2 --node_rank={rank} --master_addr=gpu-a17 "
         f"--master_port=24242 -m pretrain.train --config {config} train.max_steps=7"
         for rank in (0, 1)
@@ -350,7 +350,8 @@ def test_torchrun_script_static_and_c10d(tmp_path):
     calls = (tmp_path / "calls").read_text().splitlines()
     config = REPO / "configs/tiny/gpt.yaml"
     tail = f"-m pretrain.train --config {config} seed=3"
-    head = f"-m pretrain.torchrun --nproc_per_node={{}} {TORCHRUN_SIGNALS} --shutdown-timeout=300"
+    head = (f"-m pretrain.torchrun --nproc_per_node={{}} --max-restarts=3 {TORCHRUN_SIGNALS} "
+            "--shutdown-timeout=300")
     # each launch checks once, in one process, for the whole world size, before torchrun starts
     # (on the nodes after the first of a static rendezvous without the run's lock: --node-rank)
     assert calls[0::2] == [f"NODE_RANK={node} -m pretrain.train --check --world-size {world} --node-rank "
@@ -384,6 +385,7 @@ def test_torchrun_script_rejects_missing_config_and_rank(tmp_path):
     ({"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "http"},
      "error: MASTER_PORT=http: must be a whole number from 1 to 65535"),
     ({"GRACE_SECONDS": "5m"}, "error: GRACE_SECONDS=5m: must be a whole number of at least 0"),
+    ({"RESTARTS": "-1"}, "error: RESTARTS=-1: must be a whole number of at least 0"),
 ])
 def test_torchrun_script_refuses_bad_knobs_in_one_line(tmp_path, knobs, line):
     bin_dir = tmp_path / "bin"

@@ -113,7 +113,8 @@ def test_restarts_used_up_end_the_job_in_one_line(tmp_path):
     assert launcher.returncode == 1, out[-3000:]
     last = out.strip().splitlines()[-1]
     assert last == (f"error: torchrun: rank 1 (pid {second}) on {socket.gethostname()} died of SIGKILL, and the 1 "
-                    "in-job restart(s) allowed (--max-restarts) are used up: the job ends with exit code 1"), out[-3000:]
+                    "in-job restart(s) allowed (--max-restarts) are used up: the job ends with exit code 1"), \
+        out[-3000:]
     assert out.count("restarting this node's ranks") == 1
 
 
@@ -133,8 +134,9 @@ def test_a_rank_stuck_in_a_read_is_ended_by_its_watchdog_with_its_stacks_and_res
     assert "last seen reading its data" in hung and "exit code 124" in hung
     assert "rank 0: watchdog" not in out, "the rank waiting for the stuck one reported too"
     restarts = [line for line in out.splitlines() if "restarting" in line]
-    assert len(restarts) == 1 and restarts[0].startswith("torchrun: rank 1 (pid ") and "hung: its watchdog ended it" in \
-        restarts[0] and restarts[0].endswith("(restart 1 of 1)"), out[-3000:]
+    assert len(restarts) == 1, out[-3000:]
+    assert restarts[0].startswith("torchrun: rank 1 (pid ") and restarts[0].endswith("(restart 1 of 1)")
+    assert "hung: its watchdog ended it" in restarts[0]
     assert "resuming at step 8" in out
     assert_same_losses(name, reference)
 
