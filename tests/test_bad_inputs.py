@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import gzip
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Iterator
 
@@ -15,7 +17,6 @@ import yaml
 import trainer_runs as runs
 from pretrain.config import load_config
 from pretrain.training import checkpoint
-from pretrain.training.runlock import RunLock
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -68,12 +69,18 @@ def world(tmp_path_factory) -> Iterator[dict]:
     (root / "cut.jsonl.gz").write_bytes(gzip.compress(b'{"text": "whole"}\n' * 100)[:-20])
     (root / "twice.yaml").write_text(config.read_text() + "model:\n  flavor: nrgpt-tiny\n")
     (root / "twice_sweep.yaml").write_text("name: twice\nbase: base.yaml\nname: again\n")
-    live = RunLock(root / "runs" / "live")  # held by this process, as a live trainer would
-    live.acquire()
+    # a live trainer: another process (a run lock is a process's own; this one's commands run here)
+    live = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; "
+         "from pretrain.training.runlock import RunLock; RunLock(Path(sys.argv[1])).acquire(); "
+         "print('held', flush=True); time.sleep(3600)", str(root / "runs" / "live")],
+        env=runs.child_env(), cwd=runs.REPO, stdout=subprocess.PIPE, text=True)
+    assert live.stdout.readline().strip() == "held"
     yield {"root": root, "config": config, "data": cfg.data.path, "file": text_file,
            "runs": root / "runs", "incomplete": incomplete, "bad_jsonl": bad_jsonl, "small": small,
            "occupied": occupied, "empty_run": empty_run}
-    live.release()
+    live.kill()
+    live.wait()
 
 
 def train(*args: str) -> tuple[str, list[str]]:
@@ -335,7 +342,6 @@ def test_prepare_help_shows_the_defaults():
 
 def test_the_demo_prints_a_tensorboard_command_that_runs():
     import shlex
-    import subprocess
 
     from pretrain.demo import tensorboard_command
 
