@@ -91,9 +91,11 @@ def test_a_rerun_right_after_kill_9_resumes_though_the_data_workers_live_on(tmp_
     try:
         runs.wait_for(lambda: (runs.run_dir(name) / "ckpt" / "step_00000004" / "complete.json").exists(),
                       "the second checkpoint", launcher)
+        # the loader forks its workers anew at each epoch: wait until this one's are there
+        runs.wait_for(lambda: any(b"pt_data_worker" in _command_name(pid) for pid in runs.process_tree(launcher.pid)),
+                      "the DataLoader workers", launcher)
         tree = runs.process_tree(launcher.pid)
         data_workers = [pid for pid in tree if b"pt_data_worker" in _command_name(pid)]
-        assert data_workers, "no DataLoader worker found"
         for pid in data_workers:
             os.kill(pid, signal.SIGSTOP)
         for pid in tree:
