@@ -129,11 +129,11 @@ def describe_holder(recorded: str, holder_pid: int) -> str:
 
 def _alive(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
+        os.kill(pid, 0)  # PermissionError too means that it runs (as another user)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass
     return True
 
 
