@@ -110,6 +110,43 @@ def test_isoflop_parabolas_recover_the_optimum_and_its_exponent():
         fit_isoflop([1e4, 1e5, 1e5], [3.0, 2.9, 2.95], 1e12)
 
 
+def _isoflop_points(noise: float, seed: int, seeds_at_optimum: int = 1) -> list[Point]:
+    """Five sizes around the optimum of each of three budgets (C = 6 N D), the loss with
+    Gaussian noise of `noise` nats; the size nearest the optimum as the mean of
+    `seeds_at_optimum` seeds, as `report.best_of_cells` gives it."""
+    rng = np.random.default_rng(seed)
+    points = []
+    for c in (1e11, 1e12, 1e13):
+        for i, n in enumerate(analytic_optimum(TRUE, c) * np.geomspace(1 / 4, 4, 5)):
+            losses = tuple(float(TRUE(n, c / (6 * n))) + noise * rng.standard_normal(
+                seeds_at_optimum if i == 2 else 1))
+            points.append(Point(f"c{c:g}-{i}", {"N": n, "D": c / (6 * n), "C": c},
+                                sum(losses) / len(losses), f"c{c:g}-{i}", c, {}, 6 * n,
+                                losses if len(losses) > 1 else ()))
+    return points
+
+
+def test_isoflop_optimum_intervals_cover_the_true_exponents_and_widen_with_noise():
+    """The bootstrap of N*(C): its interval for a holds beta / (alpha + beta), b's holds
+    alpha / (alpha + beta), D*/N* at the middle budget is inside its interval (within the parabola's bias), and ten times the
+    run noise gives a wider interval for a. The noise assumed is the seeds' spread where seeds ran, at least the parabolas' scatter."""
+    a_true = TRUE.beta / (TRUE.alpha + TRUE.beta)
+    widths = []
+    for noise in (0.002, 0.02):
+        family = analyse_family("g", _isoflop_points(noise, seed=5, seeds_at_optimum=3),
+                                n_bootstrap=400, seed=0)
+        (a_lo, a_hi), (b_lo, b_hi) = family.optimum_ci["a"], family.optimum_ci["b"]
+        assert a_lo < a_true < a_hi and b_lo < 1 - a_true < b_hi
+        assert family.n_opt_law.exponent == pytest.approx(a_true, abs=a_hi - a_lo)
+        assert noise / 3 < family.noise_sd < 3 * noise
+        n_opt = analytic_optimum(TRUE, 1e12)  # the budgets' geometric mean
+        lo, hi = family.optimum_ci["tokens_per_param"]
+        # (a parabola in ln N is not the law's IsoFLOP curve: its vertex is off by a few %)
+        assert lo / 1.1 < 1e12 / (6 * n_opt) / n_opt < hi * 1.1
+        widths.append(a_hi - a_lo)
+    assert widths[1] > 2 * widths[0]
+
+
 def _family_points(law: JointLaw, seed: int, noise: float = 0.005):
     n, d = (a.ravel() for a in np.meshgrid(N_GRID, D_GRID, indexing="ij"))
     loss = law(n, d) * np.exp(noise * np.random.default_rng(seed).standard_normal(n.size))
@@ -148,3 +185,23 @@ def test_gain_is_nan_where_the_baseline_frontier_is_undefined():
     gain = compute_equivalent_gain((TRUE, SIX_N, (1e4, 1e6)), (no_optimum, SIX_N, (1e4, 1e6)),
                                    [1e11, 1e12])
     assert np.isnan(gain).all()
+
+
+def test_a_cells_seeds_are_averaged_and_its_best_learning_rate_kept():
+    """Runs differing only in their seed are one variant, its loss their mean (a lucky seed
+    does not pick the variant); the cell keeps its best variant over the other axes."""
+    from pretrain.scaling.report import best_of_cells
+
+    def run(name, lr, loss, seed=None):
+        axes = {"optimizer.lr": lr} | ({"seed": seed} if seed is not None else {})
+        return Point(name, {"N": 1e4, "D": 1e6, "C": 6e10}, loss, "cell", 6e10, axes, 6e4)
+
+    runs = [run("a", 1e-3, 2.00), run("a1", 1e-3, 2.10, seed=1), run("a2", 1e-3, 2.12, seed=2),
+            run("b", 3e-3, 2.05), run("other", 1e-3, 3.0)]
+    runs[-1] = Point("other", runs[-1].x, 3.0, "other-cell", 6e10, {"optimizer.lr": 1e-3}, 6e4)
+    best = best_of_cells(runs)
+    assert [p.run_name for p in best] == ["b", "other"]  # 2.05 beats the seeds' mean 2.073
+    assert best[0].seed_losses == () and best[1].loss == 3.0
+    best = best_of_cells(runs[:3] + runs[4:])
+    assert best[0].loss == pytest.approx((2.00 + 2.10 + 2.12) / 3)
+    assert best[0].seed_losses == (2.00, 2.10, 2.12)

@@ -230,23 +230,59 @@ def test_help_names_an_existing_sweep(capsys):
     assert cited and all(Path(p).is_file() for p in cited)
 
 
-def test_isoflop_experiment_sweep_expands(tiny_dataset, tmp_path):
-    """The shipped IsoFLOP sweep is valid: 4 families x 3 widths x 3 budgets x 2 learning
-    rates, every run at least one optimizer step, its compute C within half a step."""
-    sweep = sweeps.load_sweep("configs/scaling/isoflop.yaml", [
-        f"output_root={tmp_path}", f"data.path={tiny_dataset}", "data.seq_len=32",
-        "data.source=null"])
-    runs = sweeps.expand(sweep)
+@pytest.fixture(scope="module")
+def char_shakespeare(tmp_path_factory) -> str:
+    """The IsoFLOP study's dataset (all bundled plays, characters), prepared once."""
+    from data_pipeline.prepare import ensure_prepared
+    from pretrain.config import load_config
+
+    data = load_config("configs/scaling/base/isoflop.yaml").data
+    path = str(tmp_path_factory.mktemp("isoflop") / "shakespeare-char")
+    ensure_prepared(path, data.source, seq_len=data.seq_len, tokenizer=data.tokenizer,
+                    val_fraction=data.val_fraction)
+    return path
+
+
+def test_isoflop_study_plans_runs_that_fit_its_design(char_shakespeare, tmp_path):
+    """The shipped IsoFLOP study: 4 families, each budget 5 sizes one step further up the
+    ladder; every run's compute is its budget within half a step, its warmup 5% of its own
+    steps; the readout is at most 25% of any model's FLOPs; no run sees more than 4 epochs."""
+    from data_pipeline.packing import read_manifest
+    from pretrain.config import from_dict, model_config
+    from pretrain.scaling.experiments import isoflop
+
+    sweep = sweeps.load_sweep(isoflop.SWEEP, [f"output_root={tmp_path}", f"data.path={char_shakespeare}"])
+    windows = isoflop.size_windows(sweep)
+    ladder = list(sweep.sizes)
+    assert [windows[c] for c in sorted(windows)] == [ladder[i:i + 5] for i in range(len(windows))]
+    manifest = read_manifest(char_shakespeare)
+    train_tokens = manifest["splits"]["train"]["tokens"]
+    runs = [isoflop.one_run(sweep, group, size, budget, {isoflop.LR_AXIS: 4e-3})
+            for budget, sizes in windows.items() for group in sweep.families for size in sizes]
     passes_the_trainers_checks(sweep, runs)
-    assert len(runs) == 72 and len({r.cell for r in runs}) == 36
-    assert {r.group for r in runs} == {"gpt", "nrgpt", "ebt", "transformer_pp"}
+    assert {r.group for r in runs} == {"gpt", "nrgpt", "ebt", "transformer_pp"} and len(runs) == 60
     for run in runs:
-        step_flops = run.flops_per_token * 4 * 32
-        assert run.max_tokens >= 4 * 32
+        cfg = from_dict(run.config)
+        step_flops = run.flops_per_token * cfg.tokens_per_step
         assert abs(run.max_tokens * run.flops_per_token - run.flops_budget) <= step_flops / 2
-    # An EBT token costs several GPT tokens at the same width (the descent and its backward).
+        assert cfg.optimizer.lr == 4e-3 and cfg.schedule.decay_steps is None
+        assert cfg.schedule.warmup_steps == round(0.05 * cfg.total_steps) > 0
+        width = cfg.model.overrides["n_embd"]
+        readout = 6 * width * model_config(cfg, manifest["vocab_size"]).vocab_size
+        assert readout / run.flops_per_token <= 0.25, run.run_name
+        assert run.max_tokens <= 4 * train_tokens, run.run_name
+    # An EBT token costs several Transformer++ tokens at the same width (descent and its backward).
     fpt = {(r.group, r.size): r.flops_per_token for r in runs}
-    assert 3 < fpt[("ebt", "w32")] / fpt[("transformer_pp", "w32")] < 6
+    assert 3 < fpt[("ebt", "w64")] / fpt[("transformer_pp", "w64")] < 6
+
+
+def test_a_learning_rate_grid_widens_beyond_a_best_on_its_edge():
+    from pretrain.scaling.experiments.isoflop import widened
+
+    assert widened({2e-3: 1.5, 4e-3: 1.4, 8e-3: 1.6}) is None
+    assert widened({2e-3: 1.3, 4e-3: 1.4, 8e-3: 1.6}) == [1e-3, 2e-3, 4e-3, 8e-3]
+    assert widened({2e-3: 1.7, 4e-3: 1.4, 8e-3: 1.3}) == [2e-3, 4e-3, 8e-3, 1.6e-2]
+    assert widened({2e-3: float("inf"), 4e-3: 1.4, 8e-3: float("inf")}) is None  # diverged edges
 
 
 SHIPPED_SWEEPS = sorted((Path(__file__).resolve().parent.parent / "configs" / "scaling").glob("*.yaml"))
@@ -265,5 +301,5 @@ def test_every_run_of_a_shipped_sweep_passes_the_trainers_checks(path):
     backward, which validation refuses, in all nine EBT runs."""
     sweep = sweeps.load_sweep(path)
     if sweep.flops:
-        pytest.skip("compute budgets need the prepared dataset: test_isoflop_experiment_sweep_expands checks it")
+        pytest.skip("compute budgets need the prepared dataset: test_isoflop_study_plans_runs_that_fit_its_design checks it")
     passes_the_trainers_checks(sweep, sweeps.expand(sweep))

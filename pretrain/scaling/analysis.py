@@ -61,6 +61,9 @@ class Point:
     """Axis key -> value of the run (e.g. {"optimizer.lr": 0.003})."""
     flops_per_token: float = math.nan
     """Training FLOPs per token of the run's model."""
+    seed_losses: tuple[float, ...] = field(default=(), compare=False)
+    """The metric of each seed when the point is a mean over seeds (`loss` is their mean);
+    empty for a single run."""
 
 
 @dataclass
@@ -75,6 +78,13 @@ class FamilyAnalysis:
     """N*(C) = k C^a through the parabolas' interior optima."""
     d_opt_law: PowerFit | None = None
     """D*(C) = C / flops_per_token(N*(C)), likewise."""
+    optimum_ci: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """Percentile intervals of the IsoFLOP optimum: `a` and `b` (the exponents of N*(C) and
+    D*(C)) and `tokens_per_param` (D*/N* at the geometric mean of the budgets), from
+    `optimum_bootstrap`."""
+    noise_sd: float = math.nan
+    """The loss noise of one run that the bootstrap of the optimum assumes (see
+    `optimum_bootstrap`)."""
     joint: JointFit | None = None
     """L(N, D) = E + A / N^alpha + B / D^beta."""
     flops: FlopsModel | None = None
@@ -132,6 +142,14 @@ def analyse_family(group: str, points: list[Point], *, n_bootstrap: int, seed: i
         n_opt = [f.n_opt for f in interior]
         result.n_opt_law = fit_power(budgets, n_opt)
         result.d_opt_law = fit_power(budgets, np.asarray(budgets) / result.flops(n_opt))
+        runs = [by_budget[b] for b in budgets]
+        result.noise_sd = noise_sd(runs, [f for f in interior])
+        result.optimum_ci, kept = optimum_bootstrap(runs, result.flops, result.noise_sd,
+                                                    n_bootstrap=n_bootstrap, seed=seed,
+                                                    ci_level=ci_level)
+        if kept < 0.95 * n_bootstrap:
+            result.notes.append(f"N*(C) intervals: {n_bootstrap - kept} of {n_bootstrap} "
+                                "resamples had a parabola without a minimum and were left out")
     elif by_budget:
         result.notes.append(f"N*(C): {len(interior)} budget(s) with an optimum inside the "
                             "sizes, need at least 2")
@@ -145,6 +163,54 @@ def analyse_family(group: str, points: list[Point], *, n_bootstrap: int, seed: i
     for name in result.joint.at_bound:
         result.notes.append(f"joint law: {name} at the search bound (the data do not pin it)")
     return result
+
+
+def noise_sd(runs: list[list[Point]], fits: list[IsoFlopFit]) -> float:
+    """The loss noise of one run: the spread between seeds where cells ran several (pooled
+    sample standard deviation), or the parabolas' residual scatter where that is larger (the
+    points then scatter around their parabola more than seeds do, and the intervals must
+    say so)."""
+    within = [(len(p.seed_losses) - 1, float(np.var(p.seed_losses, ddof=1)))
+              for budget in runs for p in budget if len(p.seed_losses) > 1]
+    dof = sum(d for d, _ in within)
+    seed_sd = math.sqrt(sum(d * v for d, v in within) / dof) if dof else 0.0
+    residual, residual_dof = 0.0, 0
+    for budget, fit in zip(runs, fits):
+        n = np.array([p.x["N"] for p in budget])
+        residual += float(np.sum((np.array([p.loss for p in budget]) - fit(n)) ** 2))
+        residual_dof += len(budget) - 3
+    residual_sd = math.sqrt(residual / residual_dof) if residual_dof > 0 else 0.0
+    return max(seed_sd, residual_sd)
+
+
+def optimum_bootstrap(runs: list[list[Point]], flops: FlopsModel, sd: float, *,
+                      n_bootstrap: int, seed: int, ci_level: float
+                      ) -> tuple[dict[str, tuple[float, float]], int]:
+    """Intervals of the exponents a, b of N*(C) ~ C^a and D*(C) ~ C^b and of the tokens per
+    parameter at the optimum, by a parametric bootstrap: every point's loss is redrawn around
+    its measured value with the run noise `sd` (divided by sqrt(seeds) for a mean over seeds),
+    the parabolas refitted, and the optima's laws with them. A resample whose parabola has no
+    minimum at some budget is left out; returns the intervals and the resamples kept."""
+    rng = np.random.default_rng(seed)
+    budgets = np.array([budget[0].budget for budget in runs])
+    centre = float(np.exp(np.mean(np.log(budgets))))
+    samples = []
+    for _ in range(n_bootstrap):
+        n_opt = []
+        for budget in runs:
+            loss = [p.loss + rng.normal(0.0, sd / math.sqrt(max(len(p.seed_losses), 1)))
+                    for p in budget]
+            n_opt.append(fit_isoflop([p.x["N"] for p in budget], loss, budget[0].budget).n_opt)
+        if any(math.isnan(n) for n in n_opt):
+            continue
+        n_law = fit_power(budgets, n_opt)
+        d_law = fit_power(budgets, budgets / flops(n_opt))
+        samples.append((n_law.exponent, d_law.exponent, float(d_law(centre) / n_law(centre))))
+    if not samples:
+        return {}, 0
+    columns = list(zip(*samples))
+    return {name: percentile_interval(column, ci_level)
+            for name, column in zip(("a", "b", "tokens_per_param"), columns)}, len(samples)
 
 
 @dataclass

@@ -22,11 +22,13 @@ REQUEUE_EXIT_CODE = 75
 """The trainer's exit code after a preemption signal: the run saved a checkpoint to resume from."""
 
 
-def plan(sweep: Sweep, datasets: str = "peek", slurm: bool = False) -> list[tuple[RunSpec, Path]]:
-    """Expand the sweep (`datasets`: see `sweep.DATASETS`), check its runs as the trainer will at
-    launch (`slurm`: in a job array, else here), write every run's config and print the plan;
-    return (run, config path) for every run, finished or not."""
-    runs = expand(sweep, datasets)
+def plan(sweep: Sweep, datasets: str = "peek", slurm: bool = False,
+         runs: list[RunSpec] | None = None) -> list[tuple[RunSpec, Path]]:
+    """Expand the sweep (`datasets`: see `sweep.DATASETS`), or take `runs` of it (an
+    experiment's own selection), check the runs as the trainer will at launch (`slurm`: in a
+    job array, else here), write every run's config and print the plan; return (run, config
+    path) for every run, finished or not."""
+    runs = expand(sweep, datasets) if runs is None else runs
     check_runs(sweep, runs, slurm)
     planned = list(zip(runs, write_run_configs(sweep, runs)))
     n_done = sum(is_finished(sweep, r) for r in runs)

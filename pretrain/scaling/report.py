@@ -15,6 +15,7 @@ axis's grid. Per group, over those best runs:
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import math
 import os
@@ -35,6 +36,8 @@ from pretrain.training.summary import RunRecord
 METRICS = ("best_val_loss", "final_val_loss", "final_train_loss")
 """RunRecord fields that can be fitted; any numeric key of summary.json can be, too."""
 PARAM_COUNTS = ("non_embedding", "total")
+SEED_AXIS = "seed"
+"""The sweep axis whose runs a cell averages (see `best_of_cells`)."""
 BASELINE_FAMILY = {"gpt_rec": "gpt", "nrgpt": "gpt", "ebt": "transformer_pp"}
 """The papers' comparisons: NRGPT and GPT_Rec against GPT, EBT against Transformer++."""
 
@@ -132,11 +135,22 @@ def collect_points(registry: Registry, metric: str, *, higher_is_better: bool = 
 
 
 def best_of_cells(points: list[Point]) -> list[Point]:
-    """Each cell's run with the lowest loss, in the order of the cells' first runs."""
-    best: dict[str, Point] = {}
+    """Each cell's best variant, in the order of the cells' first runs. A variant is the runs
+    that differ only in their seed (the `seed` axis; a run without it counts as one seed):
+    its loss is their mean, so that extra seeds measure the noise instead of picking the
+    luckiest run."""
+    variants: dict[tuple, list[Point]] = {}
     for p in points:
-        if p.cell not in best or p.loss < best[p.cell].loss:
-            best[p.cell] = p
+        others = tuple(sorted((k, v) for k, v in p.axes.items() if k != SEED_AXIS))
+        variants.setdefault((p.cell, others), []).append(p)
+    best: dict[str, Point] = {}
+    for (cell, _), runs in variants.items():
+        point = runs[0]
+        if len(runs) > 1:
+            losses = tuple(r.loss for r in runs)
+            point = dataclasses.replace(point, loss=sum(losses) / len(losses), seed_losses=losses)
+        if cell not in best or point.loss < best[cell].loss:
+            best[cell] = point
     return list(best.values())
 
 
@@ -145,7 +159,7 @@ def axis_curves(groups: dict[str, list[Point]]) -> list[AxisCurve]:
     held at the cell's best run's values."""
     curves = []
     for group, points in sorted(groups.items()):
-        keys = sorted({k for p in points for k in p.axes})
+        keys = sorted({k for p in points for k in p.axes} - {SEED_AXIS})
         for key in keys:
             grid = sorted({p.axes[key] for p in points if key in p.axes})
             for cell_best in best_of_cells(points):
@@ -355,6 +369,19 @@ def isoflop_rows(analysis: Analysis) -> list[dict[str, object]]:
     return rows
 
 
+def optimum_row(family: FamilyAnalysis) -> dict[str, float]:
+    """The exponents of N*(C) and D*(C) and the tokens per parameter at the optimum (at the
+    geometric mean of the budgets), with their intervals."""
+    budgets = [f.budget for f in family.isoflop if f.inside]
+    centre = math.exp(sum(map(math.log, budgets)) / len(budgets))
+    row = {"a": family.n_opt_law.exponent, "b": family.d_opt_law.exponent, "centre": centre,
+           "tokens_per_param": float(family.d_opt_law(centre) / family.n_opt_law(centre)),
+           "noise_sd": family.noise_sd}
+    for name, (lo, hi) in family.optimum_ci.items():
+        row[f"{name}_lo"], row[f"{name}_hi"] = lo, hi
+    return row
+
+
 def gain_rows(analysis: Analysis) -> list[dict[str, object]]:
     rows = []
     for comp in analysis.comparisons:
@@ -433,11 +460,13 @@ def to_markdown(analysis: Analysis, ci_level: float = 0.95) -> str:
                    "where the parabola opens downward); D* only for a vertex inside the sizes.")
         fits = [(g, f) for g, f in sorted(analysis.families.items()) if f.n_opt_law]
         for group, family in fits:
-            out.append(f"\n{group}: N*(C) = {family.n_opt_law.scale:.3g} C^"
-                       f"{family.n_opt_law.exponent:.3f}, D*(C) = {family.d_opt_law.scale:.3g} "
-                       f"C^{family.d_opt_law.exponent:.3f} (through "
-                       f"{family.n_opt_law.n_points} budgets' optima; no interval: one parabola "
-                       "per budget).")
+            row = optimum_row(family)
+            out.append(f"\n{group}: N*(C) = {family.n_opt_law.scale:.3g} C^a, a = {_fmt(row, 'a', spec='.3f')}; "
+                       f"D*(C) = {family.d_opt_law.scale:.3g} C^b, b = {_fmt(row, 'b', spec='.3f')}; "
+                       f"D*/N* = {_fmt(row, 'tokens_per_param', spec='.3g')} tokens per parameter at "
+                       f"C = {row['centre']:.3g} (through {family.n_opt_law.n_points} budgets' optima; "
+                       f"{ci_level:.0%} intervals: the losses redrawn with a run noise of "
+                       f"{family.noise_sd:.3g}).")
         out.append("")
 
     rows = joint_rows(analysis)

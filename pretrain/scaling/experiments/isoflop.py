@@ -1,23 +1,132 @@
-"""IsoFLOP experiment (Chinchilla's approaches 2 and 3 at CPU scale): GPT, NRGPT, EBT and
-Transformer++ at three widths, three compute budgets and two learning rates on the bundled
-GPT-2-tokenized corpus, then the fits of `python -m pretrain.scaling fit` over the runs:
-IsoFLOP parabolas and the compute-optimal N*(C), D*(C); the joint L(N, D) per family; the
-compute-equivalent gain of NRGPT against GPT and of EBT against Transformer++ with intervals.
+"""IsoFLOP study (Chinchilla's approach 2) of GPT, NRGPT, EBT and Transformer++ on
+character-level Shakespeare, then the fits of `python -m pretrain.scaling fit` over its runs:
+the IsoFLOP parabolas, N*(C) ~ C^a and D*(C) ~ C^b with bootstrap intervals, the loss
+against compute, parameters and tokens, and each family against its baseline.
 
-Training goes through the sweep runner (`parallel_runs` at a time; a rerun skips finished runs
-and resumes an interrupted one); the fit outputs go to SWEEP_DIR/fit/.
+The sweep (configs/scaling/isoflop.yaml) names the families, a ladder of sizes, the compute
+budgets and a starting grid of learning rates. Three phases, each through the sweep runner
+(`parallel_runs` at a time; a rerun skips finished runs and resumes an interrupted one):
+
+1. Learning rates: every size of every family at its smallest budget with each rate of the
+   grid; where the best rate is the grid's smallest or largest, the grid is widened by a
+   factor 2 on that side and the new rate run, until the best is inside (at most
+   MAX_WIDENINGS times). Each size then trains at its own best rate at every budget.
+2. Budgets: budget i runs the sizes i .. i + WINDOW - 1 of the ladder (the optimum moves up
+   the ladder as C grows, so each budget's sizes sit around its own).
+3. Noise: each budget's best size trains again with the seeds EXTRA_SEEDS; the fits average
+   a cell's seeds and take their spread into the intervals.
 """
 from __future__ import annotations
 
-from pretrain.scaling import report
-from pretrain.scaling.experiments.common import train_sweep
-from pretrain.scaling.sweep import load_sweep
+import dataclasses
+import itertools
+import math
+
+from common.fileio import read_json
+from pretrain.scaling import launch, report
+from pretrain.scaling.registry import SUMMARY_FILE
+from pretrain.scaling.sweep import RunSpec, Sweep, expand, load_sweep
 
 SWEEP = "configs/scaling/isoflop.yaml"
+LR_AXIS = "optimizer.lr"
+WINDOW = 5
+"""Sizes per budget."""
+MAX_WIDENINGS = 3
+"""Widenings of a size's learning-rate grid before the study gives up on that size."""
+EXTRA_SEEDS = (1, 2)
+"""Seeds of the repeated runs at each budget's best size (the base config's seed is the first)."""
+METRIC = "final_val_loss"
 
 
 def main(overrides: list[str] = ()) -> int:
     sweep = load_sweep(SWEEP, overrides)
-    train_sweep(sweep, lambda run: run.flops_budget)
-    return report.fit_command(report.FitOptions(dirs=[str(sweep.directory)],
+    windows = size_windows(sweep)
+    rates = tune_learning_rates(sweep, windows)
+    budget_runs = [one_run(sweep, group, size, budget, {LR_AXIS: rates[group, size]})
+                   for budget, sizes in windows.items() for group in sweep.families for size in sizes]
+    losses = train(sweep, budget_runs)
+    seed_runs = []
+    for budget in windows:
+        for group in sweep.families:
+            best = min((run for run in budget_runs if run.group == group and run.flops_budget == budget),
+                       key=lambda run: losses[run.run_name])
+            seed_runs += [one_run(sweep, group, best.size, budget, {**best.axes, "seed": seed})
+                          for seed in EXTRA_SEEDS]
+    train(sweep, seed_runs)
+    return report.fit_command(report.FitOptions(dirs=[str(sweep.directory)], metric=METRIC,
                                                 out=str(sweep.directory / "fit")))
+
+
+def size_windows(sweep: Sweep) -> dict[float, list[str]]:
+    """Budget -> the sizes it runs: WINDOW consecutive sizes of the ladder, one step up per
+    budget."""
+    sizes = list(sweep.sizes)
+    budgets = sorted(sweep.flops)
+    if not budgets or len(sizes) != len(budgets) + WINDOW - 1:
+        raise ValueError(f"sweep {sweep.name}: the study needs compute budgets (flops) and "
+                         f"{WINDOW} - 1 more sizes than budgets ({WINDOW} per budget, one step up "
+                         f"the ladder per budget); it has {len(budgets)} budgets and {len(sizes)} sizes")
+    return {budget: sizes[i:i + WINDOW] for i, budget in enumerate(budgets)}
+
+
+def tune_learning_rates(sweep: Sweep, windows: dict[float, list[str]]) -> dict[tuple[str, str], float]:
+    """(group, size) -> its best learning rate at the size's smallest budget, with the grid
+    widened until that best is not on its edge."""
+    first_budget = {}
+    for budget, sizes in sorted(windows.items(), reverse=True):
+        first_budget.update({size: budget for size in sizes})
+    grids = {(group, size): sorted(sweep.axes[LR_AXIS]) for group in sweep.families for size in first_budget}
+    for widening in itertools.count():
+        runs = {key: [one_run(sweep, *key, first_budget[key[1]], {LR_AXIS: lr}) for lr in grid]
+                for key, grid in grids.items()}
+        losses = train(sweep, [run for cell in runs.values() for run in cell])
+        tried = {key: {lr: losses[run.run_name] for lr, run in zip(grids[key], cell)}
+                 for key, cell in runs.items()}
+        wider = {key: widened(by_rate) for key, by_rate in tried.items()}
+        if not any(wider.values()):
+            return {key: min(by_rate, key=by_rate.get) for key, by_rate in tried.items()}
+        if widening == MAX_WIDENINGS:
+            key = next(key for key, grid in wider.items() if grid)
+            raise launch.SweepFailed(f"sweep {sweep.name}: {' '.join(key)}: the best learning rate "
+                                     f"is still on the edge of {grids[key]}; widen the sweep's grid")
+        grids = {key: wider[key] or grids[key] for key in grids}
+
+
+def widened(losses: dict[float, float]) -> list[float] | None:
+    """Learning rate -> loss of one size: the grid with one more rate a factor 2 beyond the
+    best when the best is the smallest or largest tried (the optimum may lie beyond), else
+    None."""
+    grid = sorted(losses)
+    best = min(grid, key=losses.get)
+    if best == grid[0]:
+        return [grid[0] / 2] + grid
+    if best == grid[-1]:
+        return grid + [grid[-1] * 2]
+    return None
+
+
+def one_run(sweep: Sweep, group: str, size: str, budget: float, axes: dict) -> RunSpec:
+    """The run of `group` at `size` and `budget` with the axis values `axes`, as the sweep
+    names and configures it."""
+    spec = sweep.families[group]
+    sizes = spec.sizes or sweep.sizes
+    one = dataclasses.replace(sweep, families={group: spec}, sizes={size: sizes[size]},
+                              flops=[budget], axes={k: [v] for k, v in axes.items()})
+    (run,) = expand(one, "prepare")
+    return run
+
+
+def train(sweep: Sweep, runs: list[RunSpec]) -> dict[str, float]:
+    """Train the unfinished ones of `runs`, cheapest first; run name -> its final val loss
+    (inf for a run that diverged)."""
+    planned = launch.plan(sweep, "prepare", runs=runs)
+    planned.sort(key=lambda item: item[0].max_tokens * item[0].flops_per_token)
+    rc = launch.run_locally(sweep, planned)
+    if rc != 0:
+        raise launch.SweepFailed(f"sweep {sweep.name} did not finish (exit code {rc}); rerun "
+                                 "the same command to resume it")
+    losses = {}
+    for run in runs:
+        loss = read_json(sweep.directory / run.run_name / SUMMARY_FILE)[METRIC]
+        losses[run.run_name] = loss if loss is not None and math.isfinite(loss) else math.inf
+    return losses
