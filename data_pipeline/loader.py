@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import copy
 import fcntl
 import mmap
 import multiprocessing.resource_tracker
@@ -49,9 +50,11 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
+from common import objectstore
 from common.fileio import read_json
 from data_pipeline.errors import DataError, DataWorkerError
 from data_pipeline.packing import INDEX, SHARD_HASH, read_manifest
+from data_pipeline.remote import local_copy
 from data_pipeline.streaming_compat import streaming
 
 READY_AHEAD = 4096
@@ -421,7 +424,8 @@ def mixture_streams(data_dir: str, manifest: dict, mixture, split: str) -> tuple
 def build_loader(data_dir: str, split: str, *, micro_batch_size: int, seed: int,
                  shuffle: bool = True, num_workers: int = 2, repeat: bool = True,
                  num_canonical_nodes: int | None = None, verify: bool = True,
-                 pin_memory: bool = False, mixture=None) -> TokenLoader:
+                 pin_memory: bool = False, mixture=None, cache_dir: str | None = None,
+                 cache_limit: int | str | None = None) -> TokenLoader:
     """The loader of one split of a prepared dataset for this rank.
 
     Rank and world size come from RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE (streaming
@@ -430,7 +434,24 @@ def build_loader(data_dir: str, split: str, *, micro_batch_size: int, seed: int,
     power of two. `verify` checks shard sizes now and each shard's checksum on its first read.
     `mixture` (entries with `path` and `proportion` or `repeat`) reads that mixture of datasets'
     `split` instead of `data_dir`'s, whose manifest they must match in tokenizer and seq_len.
+    A dataset in an object store (s3://) is read from this node's copy in `cache_dir` (made
+    first if there is none; `cache_limit` bytes at most, e.g. "50gb": `data_pipeline.remote`).
     """
+    if isinstance(cache_limit, str):
+        cache_limit = streaming.base.util.bytes_to_int(cache_limit)
+
+    def local(path: str) -> str:
+        return local_copy(path, cache_dir, cache_limit) if objectstore.is_remote(path) else path
+
+    def local_entry(entry):
+        if not objectstore.is_remote(entry.path):
+            return entry
+        entry = copy.copy(entry)
+        entry.path = local(entry.path)
+        return entry
+
+    data_dir = local(data_dir)
+    mixture = [local_entry(entry) for entry in mixture or []]
     manifest = read_manifest(data_dir)
     if mixture:
         streams, num_windows = mixture_streams(data_dir, manifest, mixture, split)

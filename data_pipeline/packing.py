@@ -15,6 +15,7 @@ from typing import Iterable
 import numpy as np
 from tqdm import tqdm
 
+from common import objectstore
 from common.fileio import read_json
 from data_pipeline.errors import DataError
 from data_pipeline.streaming_compat import streaming
@@ -28,12 +29,32 @@ SHARD_HASH = "xxh64"
 
 
 def read_manifest(data_dir: str) -> dict:
-    """The manifest of a prepared dataset; DataError if `data_dir` holds none."""
-    path = os.path.join(data_dir, MANIFEST)
-    if not os.path.isfile(path):
+    """The manifest of a prepared dataset, local or in an object store (s3://); DataError if
+    `data_dir` holds none."""
+    manifest = existing_manifest(data_dir)
+    if manifest is None:
         raise DataError(f"{data_dir} is not a prepared dataset (no {MANIFEST}); prepare it with "
                         f"python -m data_pipeline.prepare --source SOURCE --out {data_dir}")
-    return read_json(path, DataError)
+    return manifest
+
+
+def existing_manifest(data_dir: str) -> dict | None:
+    """The manifest of the dataset at `data_dir` (a directory or an s3:// URL), None if it holds
+    none; a damaged manifest, or a store that fails, is a DataError."""
+    if objectstore.is_remote(data_dir):
+        url = objectstore.join(data_dir, MANIFEST)
+        try:
+            text = objectstore.read_bytes(url)
+        except objectstore.RemoteError as e:
+            raise DataError(str(e)) from None
+        if text is None:
+            return None
+        try:
+            return json.loads(text)
+        except ValueError as e:
+            raise DataError(f"{url}: not a readable JSON file ({e})") from None
+    path = os.path.join(data_dir, MANIFEST)
+    return read_json(path, DataError) if os.path.isfile(path) else None
 
 
 def write_manifest(data_dir: str, manifest: dict) -> None:

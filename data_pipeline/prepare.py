@@ -25,6 +25,7 @@ import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 from collections import Counter
 from typing import Iterable, Iterator
@@ -32,12 +33,14 @@ from typing import Iterable, Iterator
 import numpy as np
 from tqdm import tqdm
 
+from common import objectstore
 from common.cli import STOP_SIGNALS, ArgumentParser, Stopped, run_command, signals_held, stop_signals_raising
 from data_pipeline.errors import DataError
 from data_pipeline.hub import Archive
 from data_pipeline.listops import build_listops_dataset
-from data_pipeline.packing import (MANIFEST, check_uint16, dataset_fingerprint, read_manifest,
+from data_pipeline.packing import (MANIFEST, check_uint16, dataset_fingerprint, existing_manifest, read_manifest,
                                    write_manifest, write_splits)
+from data_pipeline.remote import INCOMPLETE, remote_contents, upload_dataset
 from data_pipeline.sources import Source, SourceStats, archive_texts, fingerprint_change, parse_source
 from data_pipeline.streaming_compat import streaming
 from data_pipeline.tokenizer import CharTokenizer, GPT2Tokenizer
@@ -75,10 +78,6 @@ def _check_arguments(seq_len: int, val_fraction: float, num_proc: int, max_docs:
         valid_size = False
     if not valid_size:
         raise DataError(f"--shard-size must be between 1 byte and 4gb, got {shard_size!r}")
-
-
-def existing_manifest(data_dir: str) -> dict | None:
-    return read_manifest(data_dir) if os.path.isfile(os.path.join(data_dir, MANIFEST)) else None
 
 
 def settings_mismatch(manifest: dict, settings: dict) -> str | None:
@@ -211,6 +210,19 @@ def prepare(source: str, out: str, *, seq_len: int = 1024, val_fraction: float =
                 "tokenizer": tokenizer, "seq_len": seq_len, "val_fraction": val_fraction,
                 "max_docs": max_docs, "text_field": text_field, "text_unit": text_unit,
                 "skip_bad_lines": skip_bad_lines, "compression": compression}
+    if objectstore.is_remote(out):
+        existing = _check_remote_out(out, settings, overwrite, src)
+        if existing is not None:
+            return existing
+        # prepared locally as always (in the temp directory: TMPDIR chooses where), then uploaded
+        with tempfile.TemporaryDirectory(prefix="prepare-") as staging:
+            manifest = _build(src, staging, settings, num_proc, compression, shard_size, progress_bar)
+            upload_dataset(staging, out, replace=True)
+        _warn_about_replacements(manifest)
+        return manifest
+    problem = objectstore.unsupported_url(out, "--out")
+    if problem:
+        raise DataError(problem)
     out = os.path.abspath(out)
     existing = _check_out_dir(out, settings, overwrite, src)
     if existing is not None:
@@ -222,21 +234,28 @@ def prepare(source: str, out: str, *, seq_len: int = 1024, val_fraction: float =
     staging = os.path.join(parent, f".{name}.incomplete-{socket.gethostname()}-{os.getpid()}")
     os.makedirs(staging)
     try:
-        start = time.perf_counter()
-        source_fingerprint = src.fingerprint()  # before reading: what the data was built from
-        if src.kind == "listops":
-            manifest = build_listops_dataset(staging, settings, shard_size)
-        else:
-            manifest = _build_text_dataset(src, staging, settings, num_proc, compression,
-                                           shard_size, progress_bar)
-        manifest["source_fingerprint"] = source_fingerprint
-        manifest["prepare_seconds"] = round(time.perf_counter() - start, 3)
-        write_manifest(staging, manifest)
+        manifest = _build(src, staging, settings, num_proc, compression, shard_size, progress_bar)
         with signals_held():  # stopped between its two renames, `out` would be gone
             _move_into_place(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     _warn_about_replacements(manifest)
+    return manifest
+
+
+def _build(src: Source, staging: str, settings: dict, num_proc: int, compression: str | None,
+           shard_size: int | str, progress_bar: bool) -> dict:
+    """Prepare the dataset into the directory `staging`, manifest last; returns the manifest."""
+    start = time.perf_counter()
+    source_fingerprint = src.fingerprint()  # before reading: what the data was built from
+    if src.kind == "listops":
+        manifest = build_listops_dataset(staging, settings, shard_size)
+    else:
+        manifest = _build_text_dataset(src, staging, settings, num_proc, compression,
+                                       shard_size, progress_bar)
+    manifest["source_fingerprint"] = source_fingerprint
+    manifest["prepare_seconds"] = round(time.perf_counter() - start, 3)
+    write_manifest(staging, manifest)
     return manifest
 
 
@@ -281,6 +300,11 @@ def _check_out_dir(out: str, settings: dict, overwrite: bool, source: Source) ->
         manifest = read_manifest(out)
     except DataError as e:
         raise DataError(f"{e}; pass --overwrite to rebuild the dataset") from None
+    return _same_dataset_or_refuse(out, manifest, settings, source)
+
+
+def _same_dataset_or_refuse(out: str, manifest: dict, settings: dict, source: Source) -> dict:
+    """`manifest` if it is of the dataset `settings` and `source` make; else the refusal."""
     mismatch = settings_mismatch(manifest, settings)
     if mismatch:
         raise DataError(f"--out {out} already holds a different dataset ({mismatch}); "
@@ -290,6 +314,20 @@ def _check_out_dir(out: str, settings: dict, overwrite: bool, source: Source) ->
         raise DataError(f"--out {out} was prepared from another state of the source ({change}); "
                         "pass --overwrite to rebuild it")
     return manifest
+
+
+def _check_remote_out(url: str, settings: dict, overwrite: bool, source: Source) -> dict | None:
+    """`_check_out_dir` for an s3:// --out: the existing manifest if the prefix holds this
+    dataset; raise if it holds another, or objects that are no dataset of ours."""
+    objects = remote_contents(url)
+    if MANIFEST not in objects:
+        if objects and INCOMPLETE not in objects and not overwrite:
+            raise DataError(f"--out {url} holds {len(objects)} object(s) but no dataset ({MANIFEST} missing); "
+                            "refusing to write into it (--overwrite replaces them)")
+        return None  # empty, or an upload of ours that was interrupted
+    if overwrite:
+        return None
+    return _same_dataset_or_refuse(url, read_manifest(url), settings, source)
 
 
 def _remove_abandoned_staging(parent: str, name: str) -> None:
@@ -329,6 +367,10 @@ def ensure_prepared(path: str, source: str, *, seq_len: int, tokenizer: str = "g
     exists with other settings, or was built from another state of the source, is an error
     (rebuilt instead with `overwrite`), never silently reused or replaced.
     """
+    if objectstore.is_remote(path):  # ranks of several nodes cannot share a lock on it
+        raise DataError(f"data.source={source} with data.path={path}: a dataset in an object store is prepared "
+                        f"once, beforehand (python -m data_pipeline.prepare --source {source} --out {path}); "
+                        "then drop data.source")
     path = os.path.abspath(path)
     settings = {"source": source, "revision": revision,
                 "tokenizer": "listops" if source == "listops" else tokenizer,
@@ -380,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--source", required=True,
                         help="openwebtext | shakespeare | listops | hf:NAME[:CONFIG] | "
                              "text:PATH | jsonl:PATH | parquet:PATH (file, directory or glob)")
-    parser.add_argument("--out", required=True, help="output dataset directory")
+    parser.add_argument("--out", required=True, help="output dataset directory, or s3://bucket/prefix")
     parser.add_argument("--seq-len", type=int, default=1024,
                         help="tokens per training sequence; windows hold seq_len + 1 tokens")
     parser.add_argument("--val-fraction", type=float, default=0.0005,

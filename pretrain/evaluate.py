@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     from pretrain.downstream.data import DataMissing, data_root
     from pretrain.training import checkpoint
     from pretrain.training.engine import keep_freed_host_memory
-    from pretrain.training.trained import results_file, run_dir_of
+    from pretrain.training.trained import refuse_url, results_file, run_dir_of
     from common.fileio import atomic_write_text
     from pretrain.models.weights import LoadError
 
@@ -104,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         names = harness.parse_tasks(args.tasks)
         data_root()
+        refuse_url(args.source)
         source = Path(args.source)
         if args.checkpoint:
             tag = checkpoint.tag_for(int(args.checkpoint)) if args.checkpoint.isdigit() else args.checkpoint

@@ -73,7 +73,9 @@ class MixtureEntry:
 @dataclass
 class DataSection:
     path: str = ""
-    """Prepared dataset directory (manifest.json, train/, val/), relative to the working directory."""
+    """Prepared dataset directory (manifest.json, train/, val/), relative to the working directory,
+    or a dataset in an object store, s3://bucket/prefix (read from a node-local copy in
+    `cache_dir`; credentials and endpoint from the AWS_* variables and S3_ENDPOINT_URL)."""
     source: str | None = None
     """If set and `path` holds no dataset yet, prepare it from this source first (e.g.
     "shakespeare"); None means the dataset must already exist. A `data.path=DIR` override on the
@@ -102,6 +104,13 @@ class DataSection:
     mixture: list[MixtureEntry] = field(default_factory=list)
     """Train on a mixture of prepared datasets instead of `path`'s train split (evaluation
     still reads `path`'s val split); empty: no mixture."""
+    cache_dir: str = ""
+    """Where a node keeps its copies of s3:// datasets, one per dataset shared by all its ranks
+    and jobs (a node-local disk); empty: `pretrain-data-cache` in the temp directory ($TMPDIR,
+    else /tmp)."""
+    cache_limit: str | None = None
+    """The most bytes the copies in `cache_dir` may take, e.g. "50gb": the least recently used
+    other datasets are removed to make room; None: no limit."""
 
 
 DECAY_SETS = {
@@ -253,6 +262,15 @@ class CheckpointSection:
     """Optimizer steps between checkpoints; 0 saves only at the end (and on preemption)."""
     keep: int = 3
     """Complete checkpoints kept; older ones are deleted."""
+    remote: str = ""
+    """An object store to upload every checkpoint to, s3://bucket/prefix (the run's checkpoints
+    go to REMOTE/RUN_NAME/ckpt/, `keep` applying there too), uploaded in the background once
+    complete locally, its complete.json last. A run whose run directory has no newer complete
+    checkpoint resumes from the newest complete one there (`resume=auto`); empty: none."""
+    upload_attempts: int = 5
+    """Tries of a checkpoint upload while the object store cannot be reached, the waits between
+    them doubling from 1 s; after the last, the checkpoint stays local and the next save (or the
+    end of the run, or the next run) uploads the newest one."""
 
 
 @dataclass

@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from common import objectstore
 from pretrain.config import (DECAY_SETS, RESUME_MODES, ConfigError, LengthChangeSchedule, RunConfig, ScheduleKind,
                              SpikeSkipping, TrainingDevice, ZeroStage, batch_split, get_key, gpu_attention,
                              run_name_problem, typed_model_overrides)
@@ -32,6 +33,7 @@ def validate(cfg: RunConfig, world_size: int, has_gpu: bool, cautions: bool = Tr
         *others, last = map(repr, typing.get_args(choices))  # a Literal's
         require(get_key(cfg, key) in typing.get_args(choices), key, f"must be {', '.join(others)} or {last}")
 
+    check_urls(cfg)
     require(cfg.resume in RESUME_MODES or Path(cfg.resume).exists(), "resume",
             f"must be {', '.join(map(repr, RESUME_MODES))} or an existing run directory or checkpoint")
     problem = run_name_problem(cfg.run_name)
@@ -98,7 +100,8 @@ def validate(cfg: RunConfig, world_size: int, has_gpu: bool, cautions: bool = Tr
         except TaskError as e:
             raise ConfigError(f"eval.downstream.tasks: {e}") from None
         manifest = Path(cfg.data.path) / "manifest.json"
-        tokenizer = yaml.safe_load(manifest.read_text())["tokenizer"] if manifest.is_file() else "gpt2"
+        local = not objectstore.is_remote(cfg.data.path)  # an s3:// dataset's is checked when it is read
+        tokenizer = yaml.safe_load(manifest.read_text())["tokenizer"] if local and manifest.is_file() else "gpt2"
         require(tokenizer == "gpt2", "eval.downstream.tasks",
                 f"text tasks need a GPT-2 BPE dataset; {cfg.data.path} is tokenized {tokenizer!r}")
     require(0 <= cfg.fault.nan_loss_rank < world_size, "fault.nan_loss_rank",
@@ -135,6 +138,41 @@ def validate(cfg: RunConfig, world_size: int, has_gpu: bool, cautions: bool = Tr
     if int(os.environ.get("RANK", "0")) == 0:  # every rank validates; one line each is enough
         for warning in warnings:
             print(f"warning: {warning}", file=sys.stderr, flush=True)
+
+
+def check_urls(cfg: RunConfig) -> None:
+    """Every path of the config is local or, where the project reads one, an s3:// URL: any other
+    URL (gs://, hf://, ...) is refused in one line, never taken for a local directory."""
+    local_only = {"output_root": "checkpoint.remote=s3://... uploads the checkpoints there",
+                  "resume": "checkpoint.remote=s3://... resumes from the checkpoints there",
+                  "model.init_from": "download the model first", "data.cache_dir": "the cache is a local disk"}
+    for key, hint in local_only.items():
+        value = get_key(cfg, key)
+        problem = objectstore.unsupported_url(value, key, remote_ok=False)
+        if problem:
+            raise ConfigError(f"{problem}" + (f" ({hint})" if objectstore.is_remote(value) else ""))
+    for key, value in [("data.path", cfg.data.path), ("checkpoint.remote", cfg.checkpoint.remote),
+                       *((f"data.mixture[{i}].path", e.path) for i, e in enumerate(cfg.data.mixture))]:
+        problem = objectstore.unsupported_url(value, key)
+        if problem:
+            raise ConfigError(problem)
+    if cfg.checkpoint.remote and not objectstore.is_remote(cfg.checkpoint.remote):
+        raise ConfigError(f"checkpoint.remote={cfg.checkpoint.remote!r}: must be s3://bucket/prefix (or empty: none)")
+    if cfg.data.source and objectstore.is_remote(cfg.data.path):
+        raise ConfigError(f"data.source={cfg.data.source}: a dataset in an object store (data.path={cfg.data.path}) "
+                          f"is prepared once beforehand (python -m data_pipeline.prepare --source {cfg.data.source} "
+                          f"--out {cfg.data.path}); then drop data.source")
+    if cfg.data.cache_limit is not None:
+        from data_pipeline.streaming_compat import streaming
+
+        try:
+            limit = streaming.base.util.bytes_to_int(cfg.data.cache_limit)
+        except ValueError:
+            limit = 0
+        if limit <= 0:
+            raise ConfigError(f"data.cache_limit={cfg.data.cache_limit!r}: must be a size such as 50gb (or null: no limit)")
+    if cfg.checkpoint.upload_attempts < 1:
+        raise ConfigError(f"checkpoint.upload_attempts={cfg.checkpoint.upload_attempts}: must be >= 1")
 
 
 def dynamics_without_descent(cfg: RunConfig, model_config: Any) -> str | None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -359,10 +358,11 @@ class Plan:
 
 def dataset_vocabulary(cfg: RunConfig) -> tuple[int, str]:
     """(token ids, where the number comes from): the prepared dataset's, else the flavor's own."""
-    from data_pipeline.packing import MANIFEST, read_manifest
+    from data_pipeline.packing import existing_manifest
 
-    if os.path.isfile(os.path.join(cfg.data.path, MANIFEST)):
-        return read_manifest(cfg.data.path)["vocab_size"], f"the dataset at {cfg.data.path}"
+    manifest = existing_manifest(cfg.data.path)  # an s3:// dataset's too
+    if manifest is not None:
+        return manifest["vocab_size"], f"the dataset at {cfg.data.path}"
     return FLAVORS[cfg.model.flavor].vocab_size, f"the flavor's own: no prepared dataset at {cfg.data.path}"
 
 

@@ -10,6 +10,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from common import objectstore
 from pretrain.config import ConfigError, RunConfig, batch_split, model_config
 from pretrain.models import padded_vocab
 from pretrain.training.checkpoint import CheckpointManager
@@ -21,8 +22,7 @@ def preflight(cfg: RunConfig, checkpoints: CheckpointManager, checking_only: boo
     compatible) and, if the dataset exists already and is not to be rebuilt (`data.overwrite`),
     that it fits the model. `Trainer.setup`
     starts with these; `--check` runs them alone, once, before a launcher starts the ranks."""
-    from data_pipeline.packing import INDEX, MANIFEST
-    from data_pipeline.prepare import existing_manifest
+    from data_pipeline.packing import INDEX, MANIFEST, existing_manifest
 
     check_output_root(cfg)
     checkpoints.resume_point(checking_only)
@@ -33,6 +33,9 @@ def preflight(cfg: RunConfig, checkpoints: CheckpointManager, checking_only: boo
         check_dataset(cfg, manifest)
         evaluates(cfg, manifest, checkpoints.world_size)
         return
+    if objectstore.is_remote(cfg.data.path):
+        raise ConfigError(f"data.path={cfg.data.path}: no prepared dataset there (no {MANIFEST}); prepare one with "
+                          f"python -m data_pipeline.prepare --source SOURCE --out {cfg.data.path}")
     path = Path(cfg.data.path)
     if path.is_file():
         raise ConfigError(f"data.path={path} is a file; it must be the directory of a prepared dataset "

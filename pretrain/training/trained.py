@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from common import objectstore
 from common.fileio import read_json
 from pretrain.config import to_dict
 from pretrain.hf.load import read_export, tensors_for
@@ -110,9 +111,21 @@ def consolidated_state_dict(tag_dir: Path) -> dict[str, torch.Tensor]:
                 handler.setStream(sys.stderr)
 
 
+def refuse_url(source: str | Path) -> None:
+    """A run given as a URL is read from a local copy: the one line saying how to make it (s3://),
+    or that the scheme is not supported."""
+    if objectstore.is_remote(source):
+        raise LoadError(f"{source}: a run in an object store is read from a local copy; fetch its newest complete "
+                        f"checkpoint first (python -m pretrain.fetch {source} RUN_DIR), then give RUN_DIR")
+    problem = objectstore.unsupported_url(source, "run", remote_ok=False)
+    if problem:
+        raise LoadError(problem)
+
+
 def find_trained_checkpoint(source: str | Path) -> Path:
     """The checkpoint directory `source` names: itself, or the newest complete one of a run
     directory or its `ckpt/`."""
+    refuse_url(source)
     path = Path(source)
     if not path.exists():
         raise LoadError(f"{source}: no such run directory, checkpoint or file")
@@ -133,6 +146,14 @@ def find_trained_checkpoint(source: str | Path) -> Path:
 def _read_manifest(data_path: str | None) -> dict | None:
     if not data_path:
         return None
+    if objectstore.is_remote(data_path):
+        from data_pipeline.errors import DataError
+        from data_pipeline.packing import existing_manifest
+
+        try:
+            return existing_manifest(data_path)
+        except DataError as e:
+            raise LoadError(str(e)) from None
     file = Path(data_path) / "manifest.json"
     return read_json(file, LoadError) if file.is_file() else None
 

@@ -91,12 +91,14 @@ class Trainer:
         data = cfg.data
         self.loader = build_loader(data.path, "train", micro_batch_size=self.split.micro_batch_size,
                                    seed=cfg.seed, shuffle=True, num_workers=data.num_workers,
-                                   pin_memory=self.on_gpu, mixture=data.mixture)
+                                   pin_memory=self.on_gpu, mixture=data.mixture, cache_dir=data.cache_dir,
+                                   cache_limit=data.cache_limit)
         self.loader.dataloader.worker_init_fn = ignore_stop_signals  # the trainer handles them
         self.val_loader = None  # a dataset without a val split, with eval.interval=0: no evaluation
         if evaluates(cfg, manifest, self.world_size):
             self.val_loader = build_loader(data.path, "val", micro_batch_size=self.split.micro_batch_size,
-                                           seed=cfg.seed, shuffle=False, num_workers=0, repeat=False)
+                                           seed=cfg.seed, shuffle=False, num_workers=0, repeat=False,
+                                           cache_dir=data.cache_dir, cache_limit=data.cache_limit)
         self._continue_from(self.checkpoints.load(self.engine))
         if cfg.model.compile != "off" and self.checkpoints.resumed_run_dir is not None:
             # before the first compiled call: the graphs of the resumed run's last job that ended

@@ -41,11 +41,13 @@ import torch
 import torch.distributed as dist
 
 from common.fileio import amount, atomic_write_text, mount_point
+from common.objectstore import RemoteError
 from pretrain.config import REPLACED_SUFFIX, ConfigError, RunConfig, get_key, model_config
 from pretrain.models import padded_vocab
 from pretrain.training.checkpoint.layout import (LATEST, MARKER, CheckpointError, Marker, check_intact,
                                                  find_checkpoint, is_complete, list_checkpoints, prune, rank_state_file,
                                                  record_files, state_file, tag_for, warn)
+from pretrain.training.checkpoint.remote import Uploader, fetch_newest, remote_ckpt, remote_tags
 from pretrain.training.checkpoint.universal import ensure_universal, needs_universal
 from pretrain.training.checkpoint.writes import WriteFailure, recorded_writes
 from pretrain.training.engine import seed_process
@@ -213,6 +215,8 @@ class CheckpointManager:
         universal form."""
         self.run_lock: RunLock | None = None
         """Rank 0's hold on the run directory, from `resume_point` until `release`."""
+        self.uploader: Uploader | None = None
+        """Rank 0's background uploads to `checkpoint.remote` (None without one)."""
         self.states: dict[str, RankState] = {}
         """Per-rank state saved and restored with each checkpoint, name -> object (the trainer hands
         over its model family's once the model is built: `FamilySpec.rank_states`)."""
@@ -229,6 +233,8 @@ class CheckpointManager:
         First of all it takes the run (`runlock`): nothing is read or moved under a live trainer."""
         cfg = self.cfg
         self.run_lock = hold_run(cfg.run_dir, self.rank, checking_only)
+        if cfg.checkpoint.remote:
+            self._take_remote(checking_only)
         if cfg.resume == "restart":
             if not checking_only:
                 self._move_run_aside()
@@ -268,6 +274,38 @@ class CheckpointManager:
         self.resume_from = (candidate, marker, universal)
         return candidate
 
+    def _take_remote(self, checking_only: bool) -> None:
+        """With `checkpoint.remote`: refuse a fresh start over a remote run that holds checkpoints,
+        fetch its newest complete checkpoint where the run directory has none as new (the first
+        rank of each node, for its node), and have rank 0's uploader send the newest local one
+        if the store lacks it (an upload the last run could not finish). A store that cannot be
+        reached, refuses the credentials or lacks the bucket stops the run here, in one line."""
+        cfg, url = self.cfg, remote_ckpt(self.cfg)
+        error, fetched = None, None
+        try:
+            complete, _ = remote_tags(url)
+            if cfg.resume in ("never", "restart") and complete:
+                error = (f"resume={cfg.resume}, but {url} already holds checkpoints of run {cfg.run_name}; resume=auto "
+                         "continues that run, or choose another run_name (or delete them there)")
+            elif cfg.resume == "auto" and not checking_only and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+                fetched = fetch_newest(url, self.ckpt_dir)
+        except RemoteError as e:
+            error = f"checkpoint.remote: {e}"
+        errors = [error]
+        if dist.is_initialized() and dist.get_world_size() > 1:  # one node's failure stops every rank
+            errors = [None] * dist.get_world_size()
+            dist.all_gather_object(errors, error)
+        error = next((e for e in errors if e), None)
+        if error:
+            raise ConfigError(error)
+        if fetched and self.rank == 0:
+            print(fetched, flush=True)
+        if self.rank == 0 and not checking_only:
+            self.uploader = Uploader(url, cfg.checkpoint.keep, cfg.checkpoint.upload_attempts)
+            complete = [p for p in list_checkpoints(self.ckpt_dir) if is_complete(p)]
+            if complete:
+                self.uploader.request(complete[-1])
+
     @property
     def resumed_run_dir(self) -> Path | None:
         """The directory of the run whose checkpoint this one resumes (its own, or another's with
@@ -286,7 +324,11 @@ class CheckpointManager:
             dist.barrier()
 
     def release(self) -> None:
-        """Let go of the run directory (the job is over, or it failed)."""
+        """Let go of the run directory (the job is over, or it failed), once the uploads to
+        `checkpoint.remote` are done (or have failed, with a warning)."""
+        if self.uploader is not None:
+            self.uploader.finish()
+            self.uploader = None
         if self.run_lock is not None:
             self.run_lock.release()
             self.run_lock = None
@@ -361,6 +403,8 @@ class CheckpointManager:
             if outcome[0] is None:
                 if self.rank == 0:
                     prune(self.ckpt_dir, self.cfg.checkpoint.keep)
+                    if self.uploader is not None:
+                        self.uploader.request(tag_dir)
                 return tag_dir
             failure = outcome[0]
         message = [None]
