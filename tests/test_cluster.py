@@ -449,3 +449,54 @@ def test_two_host_torchrun_survives_a_network_cut_and_a_lost_host_and_resumes_ex
     assert first.returncode == 0 and second.returncode == 0, out[-3000:]
     assert f"resuming at step {2 * CKPT_INTERVAL}" in out, out[-3000:]
     assert_same_losses(losses(run), reference_two)
+
+
+def test_nodes_without_a_shared_filesystem_train_from_s3_and_resume_from_the_store(slurm, shared, reference_two):
+    """No shared dataset and no shared run directory: each node's output root is its own /tmp,
+    the dataset and the checkpoints are in an S3 store (moto's server, a separate process
+    listening on the cluster's bridge). A 2-node job is preempted with USR1 once its first
+    checkpoint is in the store, requeued, and resumes from the store (the first node's own
+    copy holds only its ranks' files); every step's loss equals the uninterrupted run's."""
+    from common import objectstore
+    from conftest import S3Server
+    from data_pipeline.prepare import prepare
+
+    server = S3Server(shared, host=f"{namespace_cluster.SUBNET}.1")
+    try:
+        env = server.env()
+        data, remote = f"{server.bucket('cluster-data')}/shakespeare", server.bucket("cluster-runs")
+        with pytest.MonkeyPatch.context() as here:
+            for name, value in env.items():
+                here.setenv(name, value)
+            # the shared fixture's dataset, prepared into the store instead
+            prepare("shakespeare", data, seq_len=32, val_fraction=0.05, tokenizer="char", max_docs=50, num_proc=1)
+            private = f"/tmp/pretrain-private-{os.getpid()}"
+            hold = shared / "hold-s3"
+            hold.touch()
+            job = submit(slurm, shared, "--nodes=2", env=env,
+                         overrides=["run_name=s3-private", f"output_root={private}", f"data.path={data}",
+                                    f"checkpoint.remote={remote}", *held_from(CKPT_INTERVAL + 1, hold)])
+            first = f"{remote}/s3-private/ckpt/step_{CKPT_INTERVAL:08d}/complete.json"
+            wait_until(lambda: objectstore.exists(first), "the first checkpoint in the store")
+            subprocess.run(["scancel", "--signal=USR1", "--batch", str(job)], env=slurm.env, check=True)
+            wait_until(lambda: "requeueing job" in log(shared, job), "the requeue")
+            hold.unlink()
+            fields = slurm.wait_job(job, 240, states=("COMPLETED", "FAILED", "CANCELLED"))
+            node0 = log(shared, job, 0)
+            assert fields["JobState"] == "COMPLETED", (log(shared, job) + node0 + log(shared, job, 1))[-3000:]
+            assert fields["Restarts"] == "1"
+            assert re.search(r"fetched checkpoint step_\d+ from s3://cluster-runs/s3-private/ckpt/", node0), node0[-3000:]
+            assert re.search(r"resuming at step \d+", node0)
+            no_traceback(node0 + log(shared, job, 1))
+            assert not (shared / "runs" / "s3-private").exists()
+            assert objectstore.exists(f"{remote}/s3-private/ckpt/step_{N_STEPS:08d}/complete.json")
+        # rank 0's TensorBoard files, on whichever nodes rank 0 ran (each node's /tmp, seen
+        # through its slurmd's mount namespace)
+        gathered = shared / "s3-private-tb"
+        for name, daemon in slurm.daemons.items():
+            tb = Path(f"/proc/{daemon.pid}/root{private}/s3-private/tb")
+            if name.startswith("slurmd-") and tb.is_dir():
+                shutil.copytree(tb, gathered / "tb", dirs_exist_ok=True)
+        assert_same_losses(losses(gathered), reference_two)
+    finally:
+        server.stop()

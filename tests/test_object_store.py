@@ -89,6 +89,8 @@ def test_s3_data_and_checkpoints_train_and_resume_exactly(s3, remote_data, tmp_p
     assert {"step_00000004/complete.json", "step_00000008/complete.json"} <= set(objects)
     objectstore.delete(ckpt_url, ["step_00000008/complete.json"])
     shutil.rmtree(runs.run_dir("s3-remote"))
+    checked = runs.train_here(["--check", "run_name=s3-remote", *s3_run])  # a launch's check reads the marker there
+    assert checked.returncode == 0 and "ready for 1 process(es)" in checked.stdout, checked.stderr[-3000:]
     resumed = train("s3-remote", *s3_run)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "skipping incomplete checkpoint" in resumed.stderr and "fetched checkpoint step_00000004" in resumed.stdout

@@ -30,6 +30,7 @@ import json
 import os
 import random
 import shutil
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -44,10 +45,11 @@ from common.fileio import amount, atomic_write_text, mount_point
 from common.objectstore import RemoteError
 from pretrain.config import REPLACED_SUFFIX, ConfigError, RunConfig, get_key, model_config
 from pretrain.models import padded_vocab
-from pretrain.training.checkpoint.layout import (LATEST, MARKER, CheckpointError, Marker, check_intact,
-                                                 find_checkpoint, is_complete, list_checkpoints, prune, rank_state_file,
-                                                 record_files, state_file, tag_for, warn)
-from pretrain.training.checkpoint.remote import Uploader, fetch_newest, remote_ckpt, remote_tags
+from pretrain.training.checkpoint.layout import (LATEST, MARKER, CheckpointError, Marker, from_rank0, check_intact,
+                                                 find_checkpoint, is_complete, kept_by_prune, list_checkpoints, prune,
+                                                 prune_to, rank_state_file, record_files, state_file, tag_for, warn)
+from pretrain.training.checkpoint.remote import (Uploader, fetch_newest, newer_in_store, remote_ckpt, remote_marker,
+                                                 remote_tags)
 from pretrain.training.checkpoint.universal import ensure_universal, needs_universal
 from pretrain.training.checkpoint.writes import WriteFailure, recorded_writes
 from pretrain.training.engine import seed_process
@@ -216,7 +218,11 @@ class CheckpointManager:
         self.run_lock: RunLock | None = None
         """Rank 0's hold on the run directory, from `resume_point` until `release`."""
         self.uploader: Uploader | None = None
-        """Rank 0's background uploads to `checkpoint.remote` (None without one)."""
+        """The background uploads to `checkpoint.remote` of rank 0, and of the first rank of each
+        node with a run directory of its own (None elsewhere, and without a remote)."""
+        self.own_node_dir = False
+        """This rank is the first of a node whose run directory is its own, not rank 0's (nodes
+        without a shared filesystem): it prunes and uploads its node's part of each checkpoint."""
         self.states: dict[str, RankState] = {}
         """Per-rank state saved and restored with each checkpoint, name -> object (the trainer hands
         over its model family's once the model is built: `FamilySpec.rank_states`)."""
@@ -234,7 +240,13 @@ class CheckpointManager:
         cfg = self.cfg
         self.run_lock = hold_run(cfg.run_dir, self.rank, checking_only)
         if cfg.checkpoint.remote:
-            self._take_remote(checking_only)
+            in_store = self._take_remote(checking_only)
+            if in_store is not None:
+                # a launch's check: the ranks will fetch it; checked here by its marker alone
+                marker = remote_marker(remote_ckpt(cfg), in_store)
+                check_same_model(cfg, self.ckpt_dir / in_store, marker)
+                check_same_precision(self.precision, self.ckpt_dir / in_store, marker)
+                return self.ckpt_dir / in_store
         if cfg.resume == "restart":
             if not checking_only:
                 self._move_run_aside()
@@ -247,11 +259,16 @@ class CheckpointManager:
             tag_dir = find_checkpoint(cfg.resume, self.ckpt_dir)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        if cfg.checkpoint.remote and cfg.resume == "auto":
+            name = from_rank0(lambda: None if tag_dir is None else tag_dir.name)
+            tag_dir = None if name is None else self.ckpt_dir / name
         if tag_dir is None:
             return None
         explicit = Path(cfg.resume).name.startswith("step_")
         candidates = [tag_dir] if explicit else [
             p for p in reversed(list_checkpoints(tag_dir.parent)) if p.name <= tag_dir.name and is_complete(p)]
+        if cfg.checkpoint.remote:  # rank 0's choice: a node with a run directory of its own may see others
+            candidates = [self.ckpt_dir / name for name in from_rank0(lambda: [p.name for p in candidates])]
         skipped = []
         for candidate in candidates:
             marker, damage = check_intact(candidate, checksums=not checking_only)
@@ -274,20 +291,24 @@ class CheckpointManager:
         self.resume_from = (candidate, marker, universal)
         return candidate
 
-    def _take_remote(self, checking_only: bool) -> None:
+    def _take_remote(self, checking_only: bool) -> str | None:
         """With `checkpoint.remote`: refuse a fresh start over a remote run that holds checkpoints,
         fetch its newest complete checkpoint where the run directory has none as new (the first
         rank of each node, for its node), and have rank 0's uploader send the newest local one
         if the store lacks it (an upload the last run could not finish). A store that cannot be
-        reached, refuses the credentials or lacks the bucket stops the run here, in one line."""
+        reached, refuses the credentials or lacks the bucket stops the run here, in one line.
+        `checking_only` (a launch's check) fetches nothing: returns the tag of the checkpoint in the
+        store the ranks will fetch, if any."""
         cfg, url = self.cfg, remote_ckpt(self.cfg)
-        error, fetched = None, None
+        error, fetched, in_store = None, None, None
         try:
             complete, _ = remote_tags(url)
             if cfg.resume in ("never", "restart") and complete:
                 error = (f"resume={cfg.resume}, but {url} already holds checkpoints of run {cfg.run_name}; resume=auto "
                          "continues that run, or choose another run_name (or delete them there)")
-            elif cfg.resume == "auto" and not checking_only and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            elif cfg.resume == "auto" and checking_only:
+                in_store = newer_in_store(url, self.ckpt_dir)
+            elif cfg.resume == "auto" and int(os.environ.get("LOCAL_RANK", "0")) == 0:
                 fetched = fetch_newest(url, self.ckpt_dir)
         except RemoteError as e:
             error = f"checkpoint.remote: {e}"
@@ -300,11 +321,35 @@ class CheckpointManager:
             raise ConfigError(error)
         if fetched and self.rank == 0:
             print(fetched, flush=True)
-        if self.rank == 0 and not checking_only:
-            self.uploader = Uploader(url, cfg.checkpoint.keep, cfg.checkpoint.upload_attempts)
+        if checking_only:
+            return in_store
+        own_nodes = self._nodes_with_own_run_dirs()
+        if self.rank == 0:
+            self.uploader = Uploader(url, cfg.checkpoint.keep, cfg.checkpoint.upload_attempts,
+                                     nodes_to_wait_for=tuple(own_nodes))
             complete = [p for p in list_checkpoints(self.ckpt_dir) if is_complete(p)]
-            if complete:
+            if complete and not own_nodes:  # an upload the last run could not finish
                 self.uploader.request(complete[-1])
+        elif self.own_node_dir:
+            self.uploader = Uploader(url, cfg.checkpoint.keep, cfg.checkpoint.upload_attempts, node=socket.gethostname())
+        return None
+
+    def _nodes_with_own_run_dirs(self) -> list[str]:
+        """The hosts whose ranks do not see rank 0's run directory (a probe file rank 0 makes in
+        it), sorted; sets `own_node_dir` on the first rank of each. Collective."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return []
+        probe = self.ckpt_dir / f".probe-{socket.gethostname()}-{os.getpid()}"
+        if self.rank == 0:
+            self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+            probe.touch()
+        probe = Path(from_rank0(lambda: str(probe)))
+        views = [None] * dist.get_world_size()
+        dist.all_gather_object(views, (socket.gethostname(), probe.exists()))
+        if self.rank == 0:
+            probe.unlink()
+        self.own_node_dir = int(os.environ.get("LOCAL_RANK", "0")) == 0 and not views[self.rank][1]
+        return sorted({host for host, sees in views if not sees})
 
     @property
     def resumed_run_dir(self) -> Path | None:
@@ -373,7 +418,7 @@ class CheckpointManager:
         partial checkpoint is removed, the previous one stays the newest (and `latest`), and
         every rank raises the same CheckpointError, naming the file system and the space needed."""
         tag_dir = self.ckpt_dir / tag_for(step)
-        if self.rank == 0 and tag_dir.exists():  # left over by a run killed while writing this step
+        if (self.rank == 0 or self.own_node_dir) and tag_dir.exists():  # left over by a run killed while writing it
             shutil.rmtree(tag_dir)
         dist.barrier()
         with recorded_writes(engine) as writes:
@@ -392,19 +437,23 @@ class CheckpointManager:
         if failure is None:
             files = record_files(tag_dir, {Path(os.path.relpath(path, tag_dir)).as_posix(): record
                                            for path, record in writes.written.items()})
+            kept = []
             if self.rank == 0:
                 marker = Marker(step=step, world_size=self.world_size, config=self.cfg,
                                 model_config=model_config, time=time.time(), files=files, data=data,
                                 precision=self.precision)
                 for path, text in ((tag_dir / MARKER, marker.to_json()), (self.ckpt_dir / LATEST, tag_dir.name)):
                     failure = writes.write(path, lambda: atomic_write_text(path, text))
-            outcome = [failure]
+                kept = kept_by_prune(self.ckpt_dir, self.cfg.checkpoint.keep)
+            outcome = [failure, kept]
             dist.broadcast_object_list(outcome, src=0)
             if outcome[0] is None:
                 if self.rank == 0:
                     prune(self.ckpt_dir, self.cfg.checkpoint.keep)
-                    if self.uploader is not None:
-                        self.uploader.request(tag_dir)
+                elif self.own_node_dir:
+                    prune_to(self.ckpt_dir, outcome[1])
+                if self.uploader is not None:
+                    self.uploader.request(tag_dir, files)
                 return tag_dir
             failure = outcome[0]
         message = [None]

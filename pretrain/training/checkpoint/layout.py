@@ -151,7 +151,7 @@ def file_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _from_rank0(compute):
+def from_rank0(compute):
     """compute() as rank 0 finds it, on every rank of the job (collective)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return compute()
@@ -168,7 +168,7 @@ def _shared(items: list, compute) -> dict:
     does it all."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return {item: compute(item) for item in items}
-    items = _from_rank0(lambda: items)
+    items = from_rank0(lambda: items)
     rank, world = dist.get_rank(), dist.get_world_size()
     mine = {item: compute(item) for i, item in enumerate(items) if i % world == rank}
     parts = [None] * world
@@ -208,8 +208,10 @@ def damaged_files(tag_dir: Path, marker: Marker, checksums: bool = True) -> list
                 to_hash.append(rel)
         return problems, to_hash
 
-    problems, to_hash = _from_rank0(sizes)
-    digests = _shared(to_hash if checksums else [], lambda rel: file_digest(tag_dir / rel))
+    problems, to_hash = from_rank0(sizes)
+    # a rank on a node of its own (a private run directory) may lack a file rank 0 has: a mismatch
+    digests = _shared(to_hash if checksums else [],
+                      lambda rel: file_digest(tag_dir / rel) if (tag_dir / rel).is_file() else "missing")
     problems += [f"{tag_dir / rel} (checksum mismatch)" for rel in digests
                  if digests[rel] != marker.files[rel][1]]
     return problems
@@ -218,12 +220,42 @@ def damaged_files(tag_dir: Path, marker: Marker, checksums: bool = True) -> list
 def check_intact(tag_dir: Path, checksums: bool = True) -> tuple[Marker | None, list[str]]:
     """(marker, damaged files) of a complete checkpoint: (None, [why]) if the marker itself is
     unreadable. Collective when the job is distributed."""
-    try:
-        marker = Marker.read(tag_dir)
-    except CheckpointError as e:
-        return None, [str(e).removesuffix(".")]
+    def read() -> Marker | str:
+        try:
+            return Marker.read(tag_dir)
+        except CheckpointError as e:
+            return str(e).removesuffix(".")
+
+    marker = from_rank0(read)  # as rank 0 reads it: nodes of their own may not have it
+    if isinstance(marker, str):
+        return None, [marker]
     return marker, damaged_files(tag_dir, marker, checksums)
 
+
+
+def kept_by_prune(ckpt_dir: Path, keep: int) -> list[str]:
+    """The tags `prune` keeps of the complete checkpoints: the newest `keep`."""
+    return [p.name for p in list_checkpoints(ckpt_dir) if is_complete(p)][-keep:]
+
+
+def prune_to(ckpt_dir: Path, kept: list[str]) -> None:
+    """`prune` on a node with a run directory of its own, which has no markers (rank 0 writes
+    them): drop the checkpoints older than the newest of rank 0's `kept` tags and not among them."""
+    for tag_dir in list_checkpoints(ckpt_dir):
+        if kept and tag_dir.name not in kept and tag_dir.name < kept[-1]:
+            shutil.rmtree(tag_dir, ignore_errors=True)
+
+
+def whole(tag_dir: Path) -> bool:
+    """Whether this node holds the complete checkpoint `tag_dir` entirely: its marker, and every
+    file the marker vouches for at its size (a node with a run directory of its own holds only
+    its ranks' files, and only rank 0's node the marker)."""
+    try:
+        marker = Marker.read(tag_dir)
+    except CheckpointError:
+        return False
+    return all((tag_dir / rel).is_file() and (tag_dir / rel).stat().st_size == size
+               for rel, (size, _) in marker.files.items())
 
 
 def prune(ckpt_dir: Path, keep: int) -> None:

@@ -21,14 +21,22 @@ import fcntl
 import os
 import shutil
 import socket
+import sys
+import tempfile
 import threading
+import time
 from pathlib import Path
 
 from common import objectstore
 from common.objectstore import RemoteError
 from pretrain.config import RunConfig
-from pretrain.training.checkpoint.layout import MARKER, Marker, is_complete, list_checkpoints, warn
+from pretrain.training.checkpoint.layout import MARKER, Marker, list_checkpoints, warn, whole
 
+NODES = ".nodes"
+"""Under a checkpoint's prefix: one empty object per node (other than rank 0's) whose ranks'
+files are uploaded, with a run directory of its own."""
+NODE_WAIT_S = 600
+"""How long rank 0's upload waits for the other nodes' files before it gives up on a checkpoint."""
 FETCH_LOCK = ".fetch.lock"
 """Taken in the local `ckpt/` while a node fetches a checkpoint: the node's first rank fetches,
 and on a shared filesystem the other nodes then find it there."""
@@ -49,15 +57,40 @@ def remote_tags(url: str) -> tuple[list[str], list[str]]:
     return sorted(t for t, done in tags.items() if done), sorted(t for t, done in tags.items() if not done)
 
 
-def upload_checkpoint(tag_dir: Path, url: str) -> bool:
-    """Upload the complete local checkpoint `tag_dir` under `url`, its marker last. False if it
-    was there already (with its marker). Files of an upload cut short are sent again, all of
-    them: a file of the same size there may be another run's write of the same step."""
+def upload_checkpoint(tag_dir: Path, url: str, files: dict | None = None, node: str | None = None,
+                      nodes_to_wait_for: tuple[str, ...] = ()) -> bool:
+    """Upload the checkpoint `tag_dir` (complete locally) under `url`, its marker last. False if
+    it was there already (with its marker). Files of an upload cut short are sent again, all of
+    them: a file of the same size there may be another run's write of the same step.
+
+    Nodes with run directories of their own each hold only their ranks' files: each uploads the
+    files of `files` (the marker's record, which every rank has) that it holds, and a node other
+    than rank 0's (`node`: its name) then says so with an object NODES/<node>. Rank 0's upload
+    waits for those of `nodes_to_wait_for` before it uploads the marker."""
     target = objectstore.join(url, tag_dir.name)
     if MARKER in objectstore.listing(target):
         return False
-    for rel in sorted(Marker.read(tag_dir).files):
+    private = node is not None or bool(nodes_to_wait_for)
+    files = files if files is not None else Marker.read(tag_dir).files
+    for rel in sorted(files):
+        if private and not (tag_dir / rel).is_file():
+            if not tag_dir.is_dir():
+                raise FileNotFoundError(tag_dir)  # pruned meanwhile
+            continue  # another node's
         objectstore.upload(tag_dir / rel, objectstore.join(target, rel))
+    if node is not None:
+        objectstore.upload_bytes(b"", objectstore.join(target, NODES, node))
+        return True
+    deadline = time.monotonic() + NODE_WAIT_S
+    while nodes_to_wait_for:
+        there = objectstore.listing(objectstore.join(target, NODES))
+        missing = [name for name in nodes_to_wait_for if name not in there]
+        if not missing:
+            break
+        if time.monotonic() > deadline:
+            raise RemoteError(f"uploading {target}: node(s) {', '.join(missing)} did not upload their files within "
+                              f"{NODE_WAIT_S} s")
+        time.sleep(0.5)
     objectstore.upload(tag_dir / MARKER, objectstore.join(target, MARKER))
     return True
 
@@ -101,6 +134,21 @@ def fetch_checkpoint(url: str, tag: str, ckpt_dir: Path) -> Path:
     return tag_dir
 
 
+def newer_in_store(url: str, ckpt_dir: Path) -> str | None:
+    """The newest complete checkpoint under `url` if this node holds none as new entirely (what
+    `fetch_newest` would fetch), else None."""
+    complete, _ = remote_tags(url)
+    local = [p.name for p in list_checkpoints(ckpt_dir) if whole(p)]
+    return complete[-1] if complete and (not local or local[-1] < complete[-1]) else None
+
+
+def remote_marker(url: str, tag: str) -> Marker:
+    """The marker of checkpoint `tag` under `url`, read without fetching the checkpoint."""
+    with tempfile.TemporaryDirectory() as directory:
+        objectstore.download(objectstore.join(url, tag, MARKER), Path(directory) / MARKER)
+        return Marker.read(Path(directory))
+
+
 def fetch_newest(url: str, ckpt_dir: Path) -> str | None:
     """Fetch the newest complete checkpoint under `url` into `ckpt_dir` if no complete local one
     is as new (newer incomplete ones there are skipped with a warning); returns the line saying
@@ -114,32 +162,43 @@ def fetch_newest(url: str, ckpt_dir: Path) -> str | None:
             if tag > newest:
                 warn(f"skipping incomplete checkpoint {objectstore.join(url, tag)} (no {MARKER}: its upload was "
                      "interrupted)")
-        local = [p.name for p in list_checkpoints(ckpt_dir) if is_complete(p)]
+        # a node with a run directory of its own holds a checkpoint only in part (its ranks' files)
+        local = [p.name for p in list_checkpoints(ckpt_dir) if whole(p)]
         if not complete or (local and local[-1] >= newest):
             return None
         tag_dir = fetch_checkpoint(url, newest, ckpt_dir)
         return f"fetched checkpoint {tag_dir.name} from {objectstore.join(url, newest)}"
 
 
+def say(warning: str) -> None:
+    """A warning of an uploader, on whichever rank runs it (rank 0, or a node's first rank)."""
+    print(f"warning: {warning}", file=sys.stderr, flush=True)
+
+
 class Uploader:
     """Rank 0's background uploads: `request(tag_dir)` after each save (the newest request
     wins: an older one not yet started is superseded), `finish()` as the run ends."""
 
-    def __init__(self, url: str, keep: int, attempts: int):
+    def __init__(self, url: str, keep: int, attempts: int, node: str | None = None,
+                 nodes_to_wait_for: tuple[str, ...] = ()):
         self.url, self.keep, self.attempts = url, keep, attempts
+        self.node, self.nodes_to_wait_for = node, nodes_to_wait_for
+        """See `upload_checkpoint`: this node's name where it is not rank 0's and has a run
+        directory of its own; on rank 0 the names of such nodes."""
         self.failure: str | None = None
         """The line of the last upload that failed for good, None after one that succeeded."""
         self.uploaded = 0
         """Checkpoints uploaded so far."""
-        self._wanted: Path | None = None
+        self._wanted: tuple[Path, dict | None] | None = None
         self._busy = self._closing = False
         self._changed = threading.Condition()
         self._thread = threading.Thread(target=self._work, name="checkpoint-upload", daemon=True)
         self._thread.start()
 
-    def request(self, tag_dir: Path) -> None:
+    def request(self, tag_dir: Path, files: dict | None = None) -> None:
+        """Upload `tag_dir` (`files`: its marker's record, for a node without the marker)."""
         with self._changed:
-            self._wanted = tag_dir
+            self._wanted = (tag_dir, files)
             self._changed.notify_all()
 
     def finish(self) -> str | None:
@@ -157,24 +216,26 @@ class Uploader:
                     self._changed.wait()
                 if self._wanted is None:
                     return
-                tag_dir, self._wanted = self._wanted, None
-            self._upload(tag_dir)
+                (tag_dir, files), self._wanted = self._wanted, None
+            self._upload(tag_dir, files)
 
-    def _upload(self, tag_dir: Path) -> None:
+    def _upload(self, tag_dir: Path, files: dict | None) -> None:
         def retrying(error: RemoteError, delay: float) -> None:
-            warn(f"uploading checkpoint {tag_dir.name}: {error}; trying again in {delay:g} s")
+            say(f"uploading checkpoint {tag_dir.name}: {error}; trying again in {delay:g} s")
 
         try:
-            sent = objectstore.with_retries(self.attempts, 1.0, lambda: upload_checkpoint(tag_dir, self.url), retrying)
+            sent = objectstore.with_retries(self.attempts, 1.0, lambda: upload_checkpoint(
+                tag_dir, self.url, files, self.node, self.nodes_to_wait_for), retrying)
             self.uploaded += sent
-            objectstore.with_retries(self.attempts, 1.0, lambda: prune_remote(self.url, self.keep), retrying)
+            if self.node is None:  # rank 0's
+                objectstore.with_retries(self.attempts, 1.0, lambda: prune_remote(self.url, self.keep), retrying)
             self.failure = None
         except RemoteError as e:
             self.failure = (f"checkpoint {tag_dir.name} not uploaded: {e}; it is kept in {tag_dir.parent}, and the next "
                             "save, or the next run, uploads the newest checkpoint")
-            warn(self.failure)
+            say(self.failure)
         except FileNotFoundError:
             pass  # pruned locally meanwhile, for a newer checkpoint, whose upload is requested
         except Exception as e:  # noqa: BLE001  (a thread's failure would otherwise vanish with it)
             self.failure = f"checkpoint {tag_dir.name} not uploaded: {type(e).__name__}: {' '.join(str(e).split())}"
-            warn(self.failure)
+            say(self.failure)
