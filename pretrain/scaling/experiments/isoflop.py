@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import math
 
 from common.fileio import read_json
+from data_pipeline.prepare import ensure_prepared
+from pretrain.config import load_config
 from pretrain.scaling import launch, report
 from pretrain.scaling.registry import SUMMARY_FILE
 from pretrain.scaling.sweep import RunSpec, Sweep, expand, load_sweep
@@ -40,14 +43,19 @@ METRIC = "final_val_loss"
 
 def main(overrides: list[str] = ()) -> int:
     sweep = load_sweep(SWEEP, overrides)
-    windows = size_windows(sweep)
+    # the dataset once, before the runs are planned (each run's plan checks it)
+    data = load_config(sweep.base_config, [f"{k}={json.dumps(v)}" for k, v in sweep.overrides.items()]).data
+    ensure_prepared(data.path, data.source, seq_len=data.seq_len, tokenizer=data.tokenizer,
+                    val_fraction=data.val_fraction)
+    windows = {group: size_windows(sweep, group) for group in sweep.families}
     rates = tune_learning_rates(sweep, windows)
     budget_runs = [one_run(sweep, group, size, budget, {LR_AXIS: rates[group, size]})
-                   for budget, sizes in windows.items() for group in sweep.families for size in sizes]
+                   for group, by_budget in windows.items() for budget, sizes in by_budget.items()
+                   for size in sizes]
     losses = train(sweep, budget_runs)
     seed_runs = []
-    for budget in windows:
-        for group in sweep.families:
+    for group, by_budget in windows.items():
+        for budget in by_budget:
             best = min((run for run in budget_runs if run.group == group and run.flops_budget == budget),
                        key=lambda run: losses[run.run_name])
             seed_runs += [one_run(sweep, group, best.size, budget, {**best.axes, "seed": seed})
@@ -57,27 +65,29 @@ def main(overrides: list[str] = ()) -> int:
                                                 out=str(sweep.directory / "fit")))
 
 
-def size_windows(sweep: Sweep) -> dict[float, list[str]]:
-    """Budget -> the sizes it runs: WINDOW consecutive sizes of the ladder, one step up per
-    budget."""
-    sizes = list(sweep.sizes)
+def size_windows(sweep: Sweep, group: str) -> dict[float, list[str]]:
+    """Budget -> the sizes of `group` it runs: WINDOW consecutive sizes of the group's ladder
+    (its own `sizes`, else the sweep's), one step up per budget."""
+    sizes = list(sweep.families[group].sizes or sweep.sizes)
     budgets = sorted(sweep.flops)
     if not budgets or len(sizes) != len(budgets) + WINDOW - 1:
-        raise ValueError(f"sweep {sweep.name}: the study needs compute budgets (flops) and "
+        raise ValueError(f"sweep {sweep.name}: {group}: the study needs compute budgets (flops) and "
                          f"{WINDOW} - 1 more sizes than budgets ({WINDOW} per budget, one step up "
                          f"the ladder per budget); it has {len(budgets)} budgets and {len(sizes)} sizes")
     return {budget: sizes[i:i + WINDOW] for i, budget in enumerate(budgets)}
 
 
-def tune_learning_rates(sweep: Sweep, windows: dict[float, list[str]]) -> dict[tuple[str, str], float]:
+def tune_learning_rates(sweep: Sweep, windows: dict[str, dict[float, list[str]]]
+                        ) -> dict[tuple[str, str], float]:
     """(group, size) -> its best learning rate at the size's smallest budget, with the grid
     widened until that best is not on its edge."""
     first_budget = {}
-    for budget, sizes in sorted(windows.items(), reverse=True):
-        first_budget.update({size: budget for size in sizes})
-    grids = {(group, size): sorted(sweep.axes[LR_AXIS]) for group in sweep.families for size in first_budget}
+    for group, by_budget in windows.items():
+        for budget, sizes in sorted(by_budget.items(), reverse=True):
+            first_budget.update({(group, size): budget for size in sizes})
+    grids = {key: sorted(sweep.axes[LR_AXIS]) for key in first_budget}
     for widening in itertools.count():
-        runs = {key: [one_run(sweep, *key, first_budget[key[1]], {LR_AXIS: lr}) for lr in grid]
+        runs = {key: [one_run(sweep, *key, first_budget[key], {LR_AXIS: lr}) for lr in grid]
                 for key, grid in grids.items()}
         losses = train(sweep, [run for cell in runs.values() for run in cell])
         tried = {key: {lr: losses[run.run_name] for lr, run in zip(grids[key], cell)}
@@ -110,9 +120,10 @@ def one_run(sweep: Sweep, group: str, size: str, budget: float, axes: dict) -> R
     names and configures it."""
     spec = sweep.families[group]
     sizes = spec.sizes or sweep.sizes
-    one = dataclasses.replace(sweep, families={group: spec}, sizes={size: sizes[size]},
+    one = dataclasses.replace(sweep, families={group: dataclasses.replace(spec, sizes=None)},
+                              sizes={size: sizes[size]},
                               flops=[budget], axes={k: [v] for k, v in axes.items()})
-    (run,) = expand(one, "prepare")
+    (run,) = expand(one, "check")
     return run
 
 
