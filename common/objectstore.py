@@ -206,8 +206,20 @@ def read_bytes(url: str) -> bytes | None:
         raise explain(e, url, "reading") from None
 
 
+SINGLE_REQUEST_BYTES = 8 << 20
+"""Files up to this size go up in one request; larger ones in parts, several at once (boto3's
+transfer manager, whose threads and per-part bookkeeping cost more than they save on small ones)."""
+
+
 def upload(path: str | Path, url: str) -> None:
     where = Location.of(url)
+    if os.path.getsize(path) <= SINGLE_REQUEST_BYTES:
+        def put() -> None:
+            with open(path, "rb") as f:
+                client().put_object(Bucket=where.bucket, Key=where.key, Body=f)
+
+        _call(url, "uploading to", put)
+        return
     _call(url, "uploading to", lambda: client().upload_file(str(path), where.bucket, where.key))
 
 

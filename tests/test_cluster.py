@@ -458,7 +458,7 @@ def test_nodes_without_a_shared_filesystem_train_from_s3_and_resume_from_the_sto
     checkpoint is in the store, requeued, and resumes from the store (the first node's own
     copy holds only its ranks' files); every step's loss equals the uninterrupted run's."""
     from common import objectstore
-    from conftest import S3Server
+    from bench.s3_server import S3Server
     from data_pipeline.prepare import prepare
 
     server = S3Server(shared, host=f"{namespace_cluster.SUBNET}.1")

@@ -1,5 +1,5 @@
 """Datasets and checkpoints in an S3-compatible object store, against moto's standalone server
-(a separate process, spoken to over HTTP only: `conftest.S3Server`): `prepare --out s3://`,
+(a separate process, spoken to over HTTP only: `bench.s3_server.S3Server`): `prepare --out s3://`,
 training from `data.path: s3://` with the same losses as from the same dataset on local disk,
 checkpoints uploaded to `checkpoint.remote` and resumed from there into an empty run directory
 with exact losses, and the store's faults, each one line."""
@@ -15,7 +15,7 @@ import yaml
 
 import trainer_runs as runs
 from common import objectstore
-from conftest import S3Server
+from bench.s3_server import S3Server
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

@@ -373,6 +373,9 @@ class CheckpointManager:
         `checkpoint.remote` are done (or have failed, with a warning)."""
         if self.uploader is not None:
             self.uploader.finish()
+            if self.rank == 0 and self.uploader.uploaded:
+                print(f"checkpoint.remote: {self.uploader.uploaded} checkpoint(s) uploaded to {self.uploader.url}, "
+                      f"{self.uploader.cpu_s:.2f} s of rank 0's CPU", flush=True)
             self.uploader = None
         if self.run_lock is not None:
             self.run_lock.release()

@@ -17,6 +17,7 @@ complete one in the store fetches that one first (`fetch_newest`), once per node
 checks it against the sizes and checksums its marker records, as any local checkpoint."""
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import shutil
@@ -37,6 +38,8 @@ NODES = ".nodes"
 files are uploaded, with a run directory of its own."""
 NODE_WAIT_S = 600
 """How long rank 0's upload waits for the other nodes' files before it gives up on a checkpoint."""
+UPLOAD_NICE = 10
+"""The nice value of the upload thread."""
 FETCH_LOCK = ".fetch.lock"
 """Taken in the local `ckpt/` while a node fetches a checkpoint: the node's first rank fetches,
 and on a shared filesystem the other nodes then find it there."""
@@ -47,10 +50,11 @@ def remote_ckpt(cfg: RunConfig) -> str:
     return objectstore.join(cfg.checkpoint.remote, cfg.run_name, "ckpt")
 
 
-def remote_tags(url: str) -> tuple[list[str], list[str]]:
-    """(complete, incomplete) checkpoint tags under `url`, oldest first."""
+def remote_tags(url: str, objects: dict[str, int] | None = None) -> tuple[list[str], list[str]]:
+    """(complete, incomplete) checkpoint tags under `url` (whose `objects` are listed already, or
+    listed here), oldest first."""
     tags: dict[str, bool] = {}
-    for key in objectstore.listing(url):
+    for key in objectstore.listing(url) if objects is None else objects:
         tag, _, rest = key.partition("/")
         if tag.startswith("step_"):
             tags[tag] = tags.get(tag, False) or rest == MARKER
@@ -100,7 +104,7 @@ def prune_remote(url: str, keep: int) -> None:
     ones and incomplete ones older than the newest complete one (a newer incomplete one may be
     an upload under way)."""
     objects = objectstore.listing(url)
-    complete, incomplete = remote_tags(url)
+    complete, incomplete = remote_tags(url, objects)
     if not complete:
         return
     doomed = {tag for tag in complete[:-keep]} | {tag for tag in incomplete if tag < complete[-1]}
@@ -189,6 +193,8 @@ class Uploader:
         """The line of the last upload that failed for good, None after one that succeeded."""
         self.uploaded = 0
         """Checkpoints uploaded so far."""
+        self.cpu_s = 0.0
+        """CPU seconds the uploads took in this process (what they take from training)."""
         self._wanted: tuple[Path, dict | None] | None = None
         self._busy = self._closing = False
         self._changed = threading.Condition()
@@ -210,6 +216,9 @@ class Uploader:
         return self.failure
 
     def _work(self) -> None:
+        # the uploads' share of the CPU goes to the training threads first (a thread's own nice value)
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), UPLOAD_NICE)
         while True:
             with self._changed:
                 while self._wanted is None and not self._closing:
@@ -217,7 +226,9 @@ class Uploader:
                 if self._wanted is None:
                     return
                 (tag_dir, files), self._wanted = self._wanted, None
+            started = time.thread_time()
             self._upload(tag_dir, files)
+            self.cpu_s += time.thread_time() - started
 
     def _upload(self, tag_dir: Path, files: dict | None) -> None:
         def retrying(error: RemoteError, delay: float) -> None:
