@@ -196,3 +196,18 @@ def test_the_store_gone_mid_run_keeps_the_checkpoint_and_uploads_it_later(s3, tm
         assert objectstore.exists(f"{remote}/gone/ckpt/step_00000008/complete.json")
     finally:
         back.stop()
+
+
+def test_the_cache_limit_evicts_the_least_recently_used_other_dataset(s3, remote_data, tmp_path):
+    from data_pipeline.errors import DataError
+    from data_pipeline.remote import local_copy, upload_dataset
+
+    other = f"{remote_data}-again"
+    upload_dataset(str(runs.char_dataset()), other, replace=True)  # the same windows, another URL
+    size = sum(objectstore.listing(remote_data).values())
+    first = Path(local_copy(remote_data, str(tmp_path), cache_limit=size + 1000))
+    second = Path(local_copy(other, str(tmp_path), cache_limit=size + 1000))
+    assert second.is_dir() and not first.exists()
+    assert local_copy(other, str(tmp_path), cache_limit=size + 1000) == str(second)  # kept: in use
+    with pytest.raises(DataError, match=r"data.cache_limit=1000 is smaller than the dataset at s3://"):
+        local_copy(remote_data, str(tmp_path), cache_limit=1000)
