@@ -7,7 +7,7 @@ rank is given twice: the trainer process's own RSS, and the PSS of the trainer w
 under it (its data loader workers are forked from it and share its pages, which RSS would count
 once per process).
 
-    python -m bench.soak [--minutes 20] [--every 60] [--out soak.json]
+    python -m bench.soak [--minutes 20] [--every 60] [--out soak.json] [key=value ...]
 
 The run starts afresh under a run name of its own in a temporary output root, and ends with a
 SIGTERM to the launcher (the trainers checkpoint and exit with 75). docs/benchmarks.md records it."""
@@ -87,6 +87,9 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=20.0, help="how long to train")
     parser.add_argument("--every", type=float, default=60.0, help="seconds between samples")
     parser.add_argument("--out", type=Path, default=None, help="also write the samples and slopes as JSON")
+    parser.add_argument("overrides", nargs="*",
+                        help="trainer key=value overrides, e.g. data.path=DIR of a small dataset: its epochs "
+                             "end sooner, and the loader forks its data workers anew at each epoch")
     args = parser.parse_args()
 
     root = Path(tempfile.mkdtemp(prefix="soak-"))
@@ -95,7 +98,7 @@ def main() -> None:
     launcher = subprocess.Popen(
         ["bash", "launch/torchrun.sh", "configs/tiny/nrgpt.yaml", "run_name=soak", f"output_root={root / 'runs'}",
          "train.max_steps=100000000", "train.log_interval=10", "checkpoint.interval=50", "checkpoint.keep=2",
-         "eval.interval=500"],
+         "eval.interval=500", *args.overrides],
         cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
     samples, start = [], time.monotonic()
     try:
@@ -112,7 +115,8 @@ def main() -> None:
             samples.append(sample)
             print(json.dumps(sample), flush=True)
     finally:
-        os.killpg(launcher.pid, signal.SIGTERM)  # the trainers checkpoint and exit with 75
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGTERM)  # the trainers checkpoint and exit with 75
         launcher.wait(timeout=600)
 
     steady = samples[1:]  # the first minute holds start-up (imports, the dataset, the first compile)

@@ -3,16 +3,15 @@ import csv
 import json
 import math
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from tensorboard.plugins.custom_scalar import layout_pb2
 
 from pretrain.scaling.__main__ import main
 from pretrain.scaling.fit import TooFewPoints, fit_power_law, rate_difference
 from pretrain.scaling.registry import RunRecord, load_registry
-from pretrain.scaling.plots import TB_STEPS_PER_DECADE
 
 ALPHA_TOLERANCE = 0.1
 """Relative error allowed on a recovered exponent with 12 points and 0.5% noise."""
@@ -174,30 +173,45 @@ def test_fit_command_outputs_and_tensorboard(fitted, capsys):
     assert "| nrgpt | L(N) | 7 |" in (out / "fits.md").read_text()
     assert (out / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
-    def events(run):
-        acc = EventAccumulator(str(out / "tb" / run), size_guidance={
-            "scalars": 0, "images": 0, "tensors": 0})
-        acc.Reload()
-        return acc
+    tb_runs = tensorboard_runs(out / "tb")
+    # No run named "." (nothing written into tb/ itself); the figures in a run of their own;
+    # every fitted point an HParams session naming N, C and D, its metric the run's own.
+    assert "." not in tb_runs and "figures" in tb_runs
+    figures = tb_runs["figures"]
+    assert any("loss vs N, C and D" in tag for tag in figures.Tags()["images"])
+    assert any("loss vs training FLOPs C" in tag for tag in figures.Tags()["images"])
+    assert not figures.Tags()["scalars"]  # no curves against a pseudo-step
+    sessions = {name.removeprefix("points/"): acc for name, acc in tb_runs.items() if name.startswith("points/")}
+    by_group = {}
+    for name, acc in sessions.items():
+        by_group.setdefault(hparams_of(acc)["group"], {})[name] = acc
+    assert {g: len(s) for g, s in by_group.items()} == {**{f: len(SIZES) for f in TRUTH}, "ebt": 2}
+    name, acc = next(iter(by_group["gpt"].items()))
+    session = hparams_of(acc)
+    assert {"parameters N", "training FLOPs C", "log10 parameters N", "log10 training FLOPs C"} <= set(session)
+    assert math.log10(session["parameters N"]) == pytest.approx(session["log10 parameters N"])
+    assert session["parameters N"] == int(name.rsplit("-", 1)[1])
+    assert [e.step for e in acc.Scalars("point/best_val_loss")] == [0]
 
-    # Each group is its own TensorBoard run (one colour per group), with the same tags.
-    for family, (E, A, alpha) in TRUTH.items():
-        acc = events(family)
-        assert [e.step for e in acc.Scalars("loss_vs_params")] == [
-            round(TB_STEPS_PER_DECADE * math.log10(n)) for n in SIZES]
-        fit_events = acc.Scalars("loss_vs_params_fit")
-        assert len(fit_events) > 20
-        for e in fit_events:  # the fitted curve follows the true law closely
-            x = 10 ** (e.step / TB_STEPS_PER_DECADE)
-            assert e.value == pytest.approx(E + A * x**-alpha, rel=0.01)
-        assert len(acc.Scalars("loss_vs_flops")) == len(SIZES)
-    assert len(events("ebt").Scalars("loss_vs_params")) == 2
-    root = events("")
-    assert {"scaling/scaling", "scaling/compute"} <= set(root.Tags()["images"])
-    layout = layout_pb2.Layout()
-    layout.ParseFromString(root.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0])
-    charts = {c.title: list(c.multiline.tag) for cat in layout.category for c in cat.chart}
-    assert charts["loss vs params (step = 1000 log10 N)"] == [r"^loss_vs_params(_fit)?$"]
+
+def tensorboard_runs(tb: Path) -> dict:
+    """TensorBoard run name (the directory of its event files, relative to `tb`) -> its events."""
+    runs = {}
+    for events in sorted(tb.rglob("events.out.tfevents.*")):
+        name = str(events.parent.relative_to(tb))
+        acc = EventAccumulator(str(events.parent), size_guidance={"scalars": 0, "images": 0, "tensors": 0})
+        acc.Reload()
+        runs[name] = acc
+    return runs
+
+
+def hparams_of(acc) -> dict:
+    """The hyperparameter values of the HParams session in `acc`'s run."""
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    content = acc.SummaryMetadata("_hparams_/session_start_info").plugin_data.content
+    info = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info
+    return {k: (v.number_value if v.HasField("number_value") else v.string_value) for k, v in info.hparams.items()}
 
 
 def test_fit_command_bad_input(tmp_path, capsys):
@@ -289,13 +303,9 @@ def test_compute_sweep_fit_isoflop_joint_gain_and_learning_rates(tmp_path, capsy
     for name in ("isoflop", "gain", "axes", "compute"):
         assert (out / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
 
-    acc = EventAccumulator(str(out / "tb" / "nrgpt"), size_guidance={"scalars": 0})
-    acc.Reload()
-    assert len(acc.Scalars("gain_vs_flops")) == len(gains)
-    assert {"frontier", "isoflop_c1e+11", "isoflop_fit_c1e+11"} <= set(acc.Tags()["scalars"])
-    root = EventAccumulator(str(out / "tb"), size_guidance={"images": 0, "tensors": 0})
-    root.Reload()
-    assert {"scaling/isoflop", "scaling/gain", "scaling/axes"} <= set(root.Tags()["images"])
+    images = tensorboard_runs(out / "tb")["figures"].Tags()["images"]
+    for title in ("IsoFLOP: loss vs parameters N", "gain vs C", "loss vs learning rate"):
+        assert any(title in tag for tag in images), (title, images)
 
     # Any recorded metric: a score where higher is better is fitted as 1 - score.
     capsys.readouterr()

@@ -1,9 +1,9 @@
 """Figures (PNG) and TensorBoard output of the fit command.
 
-TensorBoard colours lines by run, so every group is written as its own run (`tb/<group>/`) with
-the same tags: one chart of a tag (and of the custom-scalar layouts, which match tags by
-pattern) then shows every group in its own colour. Steps are integers, so a point at x is logged
-at step round(1000 log10 x) (step 9000 = 1e9); the figures and the tables go into `tb/` itself.
+TensorBoard's scalar charts plot against a step and smooth by default, which suits training
+curves, not laws: the laws go to TensorBoard as the figures themselves (titled by their axes)
+and as one HParams session per fitted point, whose dashboard plots the metric against N, D or C
+with those names on its axes (see `write_tensorboard`).
 """
 from __future__ import annotations
 
@@ -15,8 +15,6 @@ import numpy as np
 from pretrain.scaling.analysis import LAWS
 from pretrain.training.metrics import pyplot
 
-TB_STEPS_PER_DECADE = 1000
-"""A point at x is logged at step round(1000 * log10 x)."""
 _CURVE_POINTS = 64
 
 
@@ -96,11 +94,14 @@ def compute_figure(analysis):
 
 
 def isoflop_figure(analysis):
-    """Per group: loss against N at each compute budget with its parabola and optimum."""
+    """Per group: loss against N at each compute budget with its parabola and optimum; then,
+    for the groups with a law through their optima, N*(C) and D*(C) with the laws' exponents
+    and intervals."""
     plt = pyplot()
     groups = [g for g, f in sorted(analysis.families.items()) if f.isoflop]
-    fig, axes = plt.subplots(1, len(groups), figsize=(3.8 * len(groups), 3.5), squeeze=False,
-                             sharey=True)
+    with_law = [g for g in groups if analysis.families[g].n_opt_law]
+    panels = len(groups) + (2 if with_law else 0)
+    fig, axes = plt.subplots(1, panels, figsize=(3.8 * panels, 3.5), squeeze=False)
     cmap = plt.get_cmap("viridis")
     budgets = sorted({f.budget for g in groups for f in analysis.families[g].isoflop})
     shade = {b: cmap(i / max(1, len(budgets) - 1) * 0.85) for i, b in enumerate(budgets)}
@@ -119,6 +120,23 @@ def isoflop_figure(analysis):
                            color=shade[fit.budget], edgecolor="k", lw=0.5)
         _log_axes(ax, "parameters N", log_y=False)
         ax.set_title(f"{group}: IsoFLOP curves", fontsize=9)
+        ax.legend(fontsize=6)
+    colors = _colors(analysis)
+    for ax, (symbol, law_of, exponent) in zip(axes[0][len(groups):], (("N", "n_opt_law", "a"),
+                                                                     ("D", "d_opt_law", "b"))):
+        for group in with_law:
+            family = analysis.families[group]
+            optima = [f for f in family.isoflop if f.inside]
+            c = np.array([f.budget for f in optima])
+            values = [f.n_opt for f in optima] if symbol == "N" else c / family.flops([f.n_opt for f in optima])
+            law = getattr(family, law_of)
+            lo, hi = family.optimum_ci.get(exponent, (math.nan, math.nan))
+            ax.scatter(c, values, marker="*", s=60, color=colors[group])
+            grid = np.geomspace(c.min() / 1.5, c.max() * 1.5, _CURVE_POINTS)
+            ax.plot(grid, law(grid), color=colors[group], lw=1.0,
+                    label=f"{group}: {exponent}={law.exponent:.2f} [{lo:.2f}, {hi:.2f}]")
+        _log_axes(ax, "training FLOPs C", f"compute-optimal {symbol}*")
+        ax.set_title(f"{symbol}*(C) ~ C^{exponent} (95% interval)", fontsize=9)
         ax.legend(fontsize=6)
     fig.tight_layout()
     return fig
@@ -188,70 +206,45 @@ def close(figures: dict) -> None:
         plt.close(figure)
 
 
-def _step(x: float) -> int:
-    return round(TB_STEPS_PER_DECADE * math.log10(x))
-
-
-def _curve(writer, tag: str, fn, lo: float, hi: float) -> None:
-    """A fitted curve as scalars at every 20th step between x = lo and x = hi."""
-    for step in range(_step(lo), _step(hi) + 1, TB_STEPS_PER_DECADE // 50):
-        value = float(fn(10 ** (step / TB_STEPS_PER_DECADE)))
-        if math.isfinite(value):
-            writer.add_scalar(tag, value, step)
-
-
 def write_tensorboard(tb_dir: Path, analysis, images: dict[str, Path], table_md: str) -> None:
-    """Per group (run `tb/<group>/`): `loss_vs_{params,flops,tokens}` (measured, ascending x:
-    TensorBoard drops points when a tag's step goes back) and `..._fit`; `frontier` (the joint
-    law's L*(C)); `isoflop_c<C>` and `isoflop_fit_c<C>` (loss against N); `gain_vs_flops` and
-    its interval `gain_vs_flops_lo`/`_hi`. In `tb/`: the custom-scalar layouts, the figures
-    (`scaling/<name>`, from the PNG files `images`, so each is drawn once) and the tables
-    (`scaling/fits`)."""
+    """What a researcher opening `tensorboard --logdir tb` should see, with axes that say what
+    they are and nothing smoothed: the figures, one TensorBoard run `figures` (the landing page
+    shows them as cards, each titled by what it plots against what), the tables (Text), and
+    every fitted point as an HParams session (`points/<run>`): its group, size, budget and axis
+    values, N, D and C with their log10, and the metric (`point/<metric>`), so the HParams
+    dashboard plots the metric against N or C per point with the axes named."""
     import matplotlib.image
     from torch.utils.tensorboard import SummaryWriter
+    from torch.utils.tensorboard.summary import hparams
 
-    layout = {}
-    for law in LAWS:
-        layout[f"loss vs {law.name} (step = {TB_STEPS_PER_DECADE} log10 {law.symbol})"] = [
-            "Multiline", [rf"^loss_vs_{law.name}(_fit)?$"]]
-    layout["compute-optimal frontier of the joint law (step = 1000 log10 C)"] = [
-        "Multiline", [r"^frontier$", r"^loss_vs_flops$"]]
-    layout["IsoFLOP: loss vs N at each budget (step = 1000 log10 N)"] = [
-        "Multiline", [r"^isoflop_"]]
-    layout["compute-equivalent gain vs C (step = 1000 log10 C)"] = [
-        "Multiline", [r"^gain_vs_flops"]]
-    comparisons = {c.group: c for c in analysis.comparisons}
-    for group, points in sorted(analysis.cells.items()):
-        writer = SummaryWriter(str(tb_dir / group))
-        for fit in (f for f in analysis.laws if f.group == group):
-            for p in fit.points:
-                writer.add_scalar(f"loss_vs_{fit.law.name}", p.loss, _step(p.x[fit.law.symbol]))
-            if fit.full is not None:
-                xs = [p.x[fit.law.symbol] for p in fit.points]
-                _curve(writer, f"loss_vs_{fit.law.name}_fit", fit.full.law, min(xs), max(xs))
-        family = analysis.families[group]
-        if family.joint is not None:
-            lo, hi = family.c_range
-            _curve(writer, "frontier", lambda c: family.allocation([c])[2][0], lo, hi)
-        for fit in family.isoflop:
-            runs = sorted((p for p in points if p.budget == fit.budget), key=lambda p: p.x["N"])
-            tag = f"isoflop_c{fit.budget:.3g}"
-            for p in runs:
-                writer.add_scalar(tag, p.loss, _step(p.x["N"]))
-            _curve(writer, tag.replace("isoflop_", "isoflop_fit_"), fit, runs[0].x["N"],
-                   runs[-1].x["N"])
-        comp = comparisons.get(group)
-        if comp is not None:
-            for c, gain, lo, hi in zip(comp.budgets, comp.gain, *comp.gain_ci):
-                for tag, value in (("gain_vs_flops", gain), ("gain_vs_flops_lo", lo),
-                                   ("gain_vs_flops_hi", hi)):
-                    if math.isfinite(value):
-                        writer.add_scalar(tag, float(value), _step(c))
-        writer.close()
-    writer = SummaryWriter(str(tb_dir))
-    writer.add_custom_scalars({"scaling laws": layout})
-    for name, path in images.items():
-        writer.add_image(f"scaling/{name}", matplotlib.image.imread(path)[..., :3],
+    writer = SummaryWriter(str(tb_dir / "figures"))
+    for i, (name, path) in enumerate(images.items(), 1):
+        writer.add_image(f"{i} {FIGURE_TITLES.get(name, name)}", matplotlib.image.imread(path)[..., :3],
                          dataformats="HWC")
-    writer.add_text("scaling/fits", table_md)
+    writer.add_text("fits", table_md)
     writer.close()
+    tag = f"point/{analysis.metric}"
+    for group, points in sorted(analysis.cells.items()):
+        for p in points:
+            values = {"group": group, **{law.label: p.x[law.symbol] for law in LAWS},
+                      **{f"log10 {law.label}": math.log10(p.x[law.symbol]) for law in LAWS},
+                      **{key: value for key, value in p.axes.items() if isinstance(value, (int, float, str))}}
+            if p.budget is not None:
+                values["compute budget C"] = p.budget
+            if p.seed_losses:
+                values["seeds"] = len(p.seed_losses)
+            writer = SummaryWriter(str(tb_dir / "points" / p.run_name))
+            for summary in hparams(values, {tag: p.loss}):
+                writer.file_writer.add_summary(summary)
+            writer.add_scalar(tag, p.loss, 0)
+            writer.close()
+
+
+FIGURE_TITLES = {
+    "compute": "loss vs training FLOPs C: every cell, each family's frontier and IsoFLOP optima",
+    "isoflop": "IsoFLOP: loss vs parameters N at each budget C, and N*(C), D*(C)",
+    "scaling": "loss vs N, C and D: one-variable power laws",
+    "gain": "compute-equivalent gain vs C against the baseline",
+    "axes": "loss vs learning rate within each cell",
+}
+"""Figure file stem -> the title of its TensorBoard image (what it plots against what)."""
