@@ -211,3 +211,14 @@ def test_the_cache_limit_evicts_the_least_recently_used_other_dataset(s3, remote
     assert local_copy(other, str(tmp_path), cache_limit=size + 1000) == str(second)  # kept: in use
     with pytest.raises(DataError, match=r"data.cache_limit=1000 is smaller than the dataset at s3://"):
         local_copy(remote_data, str(tmp_path), cache_limit=1000)
+
+
+def test_prepare_into_a_prefix_of_another_dataset_or_of_other_objects_is_refused(s3, remote_data):
+    other = runs.command_here("data_pipeline.prepare", ["--source", "shakespeare", "--out", remote_data,
+                                                       "--tokenizer", "char", "--seq-len", "16", "--max-docs", "5"])
+    assert other.returncode == 1 and "already holds a different dataset (seq_len=32 there" in one_error_line(other.stderr)
+    foreign = f"{s3.bucket('foreign-bucket')}/mine"
+    objectstore.upload_bytes(b"notes", f"{foreign}/notes.txt")
+    refused = runs.command_here("data_pipeline.prepare", ["--source", "shakespeare", "--out", foreign])
+    assert refused.returncode == 1 and "holds 1 object(s) but no dataset" in one_error_line(refused.stderr)
+    assert objectstore.listing(foreign) == {"notes.txt": 5}
