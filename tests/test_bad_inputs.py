@@ -262,6 +262,8 @@ CASES = {
     "resume from gs://": (check("resume=gs://b/run"), "resume=gs://b/run: gs:// is not supported here"),
     "checkpoint.remote on gs://": (check("checkpoint.remote=gs://b/ck"), "checkpoint.remote=gs://b/ck: gs://"),
     "checkpoint.remote local": (check("checkpoint.remote={root}/ck"), "must be s3://bucket/prefix"),
+    "data.source into s3://": (check("data.path=s3://b/d", "data.source=shakespeare"),
+                               "is prepared once beforehand (python -m data_pipeline.prepare --source shakespeare"),
     "export of a gs:// run": (("pretrain.export", ["gs://b/run", "--out", "{root}/x.safetensors"]),
                               "run=gs://b/run: gs:// is not supported here"),
     "sample of an s3:// run": (sample("s3://b/run"), "python -m pretrain.fetch s3://b/run RUN_DIR"),

@@ -111,6 +111,13 @@ def test_s3_data_and_checkpoints_train_and_resume_exactly(s3, remote_data, tmp_p
             assert s3.secret.encode() not in data and s3.key_id.encode() not in data, path
 
 
+def test_the_planner_reads_the_vocabulary_of_a_dataset_in_the_store(s3, remote_data):
+    planned = runs.command_here("pretrain.plan", ["--config", str(runs.base_config_file()), "--gpus", "1",
+                                                  f"data.path={remote_data}"])
+    assert planned.returncode == 0, planned.stderr[-2000:]
+    assert f"the dataset at {remote_data}" in planned.stdout
+
+
 def test_the_store_unreachable_at_start_is_one_line(s3, remote_data, monkeypatch):
     monkeypatch.setenv("S3_ENDPOINT_URL", f"http://127.0.0.1:{runs.free_port()}")
     for overrides in (["data.path=" + remote_data], ["checkpoint.remote=s3://ckpt-bucket"]):
