@@ -4,10 +4,10 @@ status 0, each `configs/...` path exists (a glob matches a file, `{a,b}` names e
 and each `section.key=` override is a field of the run config, `model.overrides.NAME` a field of
 some model flavor's config."""
 import dataclasses
+import json
 import re
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -21,8 +21,6 @@ CONFIG_PATH = re.compile(r"(?<![\w/.-])configs/(?:\{[^{}\s]*\}|[^\s`'\"(),|{}])*
 OVERRIDE_KEY = re.compile(r"(?<![\w./$-])([a-z_]\w*(?:\.[a-z_]\w*)+)=")
 PLACEHOLDERS = {"pretrain.X", "key.sub"}
 """What the docs write for any command (`python -m pretrain.X`) and any key (`key.sub=value`)."""
-HELP_PROCESSES = 2
-"""--help runs at once: each starts an interpreter that imports torch (a second or two of CPU)."""
 
 
 @dataclasses.dataclass
@@ -60,20 +58,48 @@ def named_in(files: list[Path]) -> Named:
     return named
 
 
-def failing_helps(commands: dict[str, str]) -> list[str]:
-    """`python -m MODULE --help` for each module, each in a process of its own as the docs run
-    it: why each that did not exit 0 failed."""
-    def failure(module: str) -> str | None:
-        done = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO,
-                              capture_output=True, text=True, timeout=120)
-        if done.returncode == 0:
-            return None
-        last_line = (done.stderr.strip().splitlines() or [""])[-1]
-        return (f"{commands[module]}: python -m {module} --help exited {done.returncode}: "
-                f"{last_line}")
+HELP_RUNNER = """
+import json, os, runpy, sys, tempfile, traceback
+import torch, numpy  # what nearly every command imports, once: each --help then costs a fork
+results = {}
+for module in sys.argv[1:]:
+    sys.stdout.flush(); sys.stderr.flush()
+    stderr = tempfile.TemporaryFile()
+    pid = os.fork()
+    if pid == 0:  # the command as `python -m MODULE --help` runs it, in a process of its own
+        os.dup2(stderr.fileno(), 2)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+        sys.argv = [module, "--help"]
+        code = 0
+        try:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        except SystemExit as exit:
+            code = exit.code if isinstance(exit.code, int) else 0 if exit.code is None else 1
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush(); sys.stderr.flush()
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    stderr.seek(0)
+    results[module] = [os.waitstatus_to_exitcode(status), stderr.read().decode(errors="replace")]
+print(json.dumps(results))
+"""
+"""Runs `MODULE --help` for each module given, each in a forked child of one interpreter that
+has imported torch once (an interpreter per command spent a minute of CPU on imports)."""
 
-    with ThreadPoolExecutor(HELP_PROCESSES) as pool:
-        return [problem for problem in pool.map(failure, sorted(commands)) if problem]
+
+def failing_helps(commands: dict[str, str]) -> list[str]:
+    """`python -m MODULE --help` for each module: why each that did not exit 0 failed."""
+    done = subprocess.run([sys.executable, "-c", HELP_RUNNER, *sorted(commands)], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    problems = []
+    for module, (code, stderr) in json.loads(done.stdout.strip().splitlines()[-1]).items():
+        if code != 0:
+            last_line = (stderr.strip().splitlines() or [""])[-1]
+            problems.append(f"{commands[module]}: python -m {module} --help exited {code}: {last_line}")
+    return problems
 
 
 def _expand_braces(path: str) -> list[str]:
