@@ -72,7 +72,7 @@ def compute_figure(analysis):
     """Loss against training compute per group (each cell's best run), with the joint law's
     compute-optimal frontier and the IsoFLOP optima."""
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6.0, 4.2))
+    fig, ax = plt.subplots(figsize=(5.0, 3.8))
     colors = _colors(analysis)
     for group, points in sorted(analysis.cells.items()):
         family = analysis.families[group]
@@ -145,7 +145,7 @@ def isoflop_figure(analysis):
 def gain_figure(analysis):
     """Compute-equivalent gain against compute, with its interval, per comparison."""
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6.0, 4.0))
+    fig, ax = plt.subplots(figsize=(5.0, 3.6))
     colors = _colors(analysis)
     for comp in analysis.comparisons:
         color = colors[comp.group]
@@ -206,21 +206,21 @@ def close(figures: dict) -> None:
         plt.close(figure)
 
 
-def write_tensorboard(tb_dir: Path, analysis, images: dict[str, Path], table_md: str) -> None:
+def write_tensorboard(tb_dir: Path, analysis, figures: dict, table_md: str) -> None:
     """What a researcher opening `tensorboard --logdir tb` should see, with axes that say what
-    they are and nothing smoothed: the figures, one TensorBoard run `figures` (the landing page
-    shows them as cards, each titled by what it plots against what), the tables (Text), and
-    every fitted point as an HParams session (`points/<run>`): its group, size, budget and axis
-    values, N, D and C with their log10, and the metric (`point/<metric>`), so the HParams
-    dashboard plots the metric against N or C per point with the axes named."""
-    import matplotlib.image
+    they are and nothing smoothed: the figures, one TensorBoard run `figures` whose cards (the
+    landing page) are each one panel, about the card's width (a whole figure of several panels
+    shrinks to an illegible strip), titled by what the figure plots against what; the tables
+    (Text); and every fitted point as an HParams session (`points/<run>`): its group, size,
+    budget and axis values, N, D and C with their log10, and the metric (`point/<metric>`), so
+    the HParams dashboard plots the metric against N or C per point with the axes named."""
     from torch.utils.tensorboard import SummaryWriter
     from torch.utils.tensorboard.summary import hparams
 
     writer = SummaryWriter(str(tb_dir / "figures"))
-    for i, (name, path) in enumerate(images.items(), 1):
-        writer.add_image(f"{i} {FIGURE_TITLES.get(name, name)}", matplotlib.image.imread(path)[..., :3],
-                         dataformats="HWC")
+    for i, (name, figure) in enumerate(figures.items(), 1):
+        for j, (title, panel) in enumerate(panels(figure), 1):
+            writer.add_image(f"{i} {FIGURE_TITLES.get(name, name)}/{i}.{j} {title}", panel, dataformats="HWC")
     writer.add_text("fits", table_md)
     writer.close()
     tag = f"point/{analysis.metric}"
@@ -238,6 +238,22 @@ def write_tensorboard(tb_dir: Path, analysis, images: dict[str, Path], table_md:
                 writer.file_writer.add_summary(summary)
             writer.add_scalar(tag, p.loss, 0)
             writer.close()
+
+
+def panels(figure, pad_px: int = 6) -> list[tuple[str, np.ndarray]]:
+    """(title, RGB image) of each panel of `figure` as drawn at its dpi: the panel with its
+    labels, ticks and legend."""
+    figure.canvas.draw()
+    image = np.asarray(figure.canvas.buffer_rgba())[..., :3]
+    height, width = image.shape[:2]
+    renderer = figure.canvas.get_renderer()
+    out = []
+    for ax in figure.axes:
+        box = ax.get_tightbbox(renderer)
+        top, bottom = max(0, int(height - box.y1) - pad_px), min(height, int(height - box.y0) + pad_px)
+        left, right = max(0, int(box.x0) - pad_px), min(width, int(box.x1) + pad_px)
+        out.append((ax.get_title() or f"panel {len(out) + 1}", image[top:bottom, left:right].copy()))
+    return out
 
 
 FIGURE_TITLES = {

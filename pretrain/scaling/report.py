@@ -520,6 +520,9 @@ def to_markdown(analysis: Analysis, ci_level: float = 0.95) -> str:
 
 # ----------------------------------------------------------------------------- outputs
 
+FIGURE_DPI = 90
+
+
 def write_outputs(out_dir: Path, analysis: Analysis, header: str = "") -> None:
     """Write fits.md, the CSV tables, the figures and tb/ into `out_dir`, replacing a previous
     output only once everything is written."""
@@ -541,11 +544,10 @@ def write_outputs(out_dir: Path, analysis: Analysis, header: str = "") -> None:
                            ("gains", gain_rows(analysis))):
             if rows:
                 (tmp / f"{name}.csv").write_text(to_csv(rows))
-        images = {}
         for name, figure in figures.items():
-            images[name] = tmp / f"{name}.png"
-            figure.savefig(images[name], dpi=90)
-        plots.write_tensorboard(tmp / "tb", analysis, images, table_md)
+            figure.set_dpi(FIGURE_DPI)
+            figure.savefig(tmp / f"{name}.png", dpi=FIGURE_DPI)
+        plots.write_tensorboard(tmp / "tb", analysis, figures, table_md)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
