@@ -304,3 +304,30 @@ def test_every_run_of_a_shipped_sweep_passes_the_trainers_checks(path):
     if sweep.flops:
         pytest.skip("compute budgets need the prepared dataset: test_isoflop_study_plans_runs_that_fit_its_design checks it")
     passes_the_trainers_checks(sweep, sweeps.expand(sweep))
+
+
+def test_the_smallest_run_of_the_committed_table_reruns_from_its_row(char_shakespeare, tmp_path):
+    """docs/isoflop_runs.csv is enough to re-run a run: its smallest (least compute, then least
+    wall time), trained again from the study's base config and its row's overrides alone, ends
+    within 1% of the final val loss the table records."""
+    import csv
+    import json
+    import os
+    import shlex
+    import subprocess
+    import sys
+
+    from pretrain.scaling.experiments import isoflop
+
+    repo = Path(__file__).resolve().parent.parent
+    rows = list(csv.DictReader((repo / isoflop.RUN_TABLE).open()))
+    row = min(rows, key=lambda r: (float(r["budget_flops"]), float(r["wall_s"])))
+    command = [sys.executable, "-m", "pretrain.train", "--config", sweeps.load_sweep(isoflop.SWEEP).base_config,
+               *shlex.split(row["overrides"]), f"data.path={char_shakespeare}", "run_name=replay",
+               f"output_root={tmp_path}"]
+    done = subprocess.run(command, cwd=repo, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((tmp_path / "replay" / "summary.json").read_text())
+    assert summary["tokens_seen"] == int(row["tokens"])
+    assert summary["final_val_loss"] == pytest.approx(float(row["final_val_loss"]), rel=0.01)

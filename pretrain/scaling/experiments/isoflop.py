@@ -23,14 +23,20 @@ import itertools
 import json
 import math
 
-from common.fileio import read_json
+from pathlib import Path
+
+import yaml
+
+from common.fileio import atomic_write_text, read_json
 from data_pipeline.prepare import ensure_prepared
-from pretrain.config import load_config
+from pretrain.config import load_config, to_dict
 from pretrain.scaling import launch, report
-from pretrain.scaling.registry import SUMMARY_FILE
+from pretrain.scaling.registry import SUMMARY_FILE, SWEEP_FILE
 from pretrain.scaling.sweep import RunSpec, Sweep, expand, load_sweep
 
 SWEEP = "configs/scaling/isoflop.yaml"
+RUN_TABLE = Path("docs/isoflop_runs.csv")
+"""The committed copy of the study's per-run table (the experiment writes SWEEP_DIR/results/)."""
 LR_AXIS = "optimizer.lr"
 WINDOW = 5
 """Sizes per budget."""
@@ -61,8 +67,44 @@ def main(overrides: list[str] = ()) -> int:
             seed_runs += [one_run(sweep, group, best.size, budget, {**best.axes, "seed": seed})
                           for seed in EXTRA_SEEDS]
     train(sweep, seed_runs)
+    write_run_table(sweep, sweep.directory / "results" / RUN_TABLE.name)
     return report.fit_command(report.FitOptions(dirs=[str(sweep.directory)], metric=METRIC,
                                                 out=str(sweep.directory / "fit")))
+
+
+def write_run_table(sweep: Sweep, path: Path) -> None:
+    """One row per finished run of the sweep: family, size, seed, budget, tokens, FLOPs, the
+    final val loss, wall time, and the overrides of the base config that make the run, so that
+    `python -m pretrain.train --config BASE OVERRIDES` re-runs it from its row alone."""
+    base = flat(to_dict(load_config(sweep.base_config)))
+    rows = []
+    for name, cell in sorted(read_json(sweep.directory / SWEEP_FILE)["runs"].items()):
+        summary = sweep.directory / name / SUMMARY_FILE
+        if not summary.is_file():
+            continue
+        record = read_json(summary)
+        config = flat(yaml.safe_load((sweep.directory / "configs" / f"{name}.yaml").read_text()))
+        overrides = [f"{key}={json.dumps(value)}" for key, value in config.items()
+                     if base.get(key) != value and key not in ("run_name", "output_root")]
+        rows.append({"run": name, "family": cell["group"], "size": cell["size"], "seed": config["seed"],
+                     "budget_flops": cell["flops_budget"], "non_embedding_params": record["non_embedding_params"],
+                     "tokens": record["tokens_seen"], "flops": record["train_flops"],
+                     "final_val_loss": record[METRIC], "wall_s": round(record["wall_time_s"], 1),
+                     "overrides": " ".join(overrides)})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, report.to_csv(rows))
+    print(f"wrote {path} ({len(rows)} runs)")
+
+
+def flat(tree: dict, prefix: str = "") -> dict:
+    """A nested config as dotted key -> value."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out.update(flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def size_windows(sweep: Sweep, group: str) -> dict[float, list[str]]:
