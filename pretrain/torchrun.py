@@ -196,6 +196,10 @@ def _agent_stopping_failed_groups(restarts: Restarts):
     return StopsFailedGroups
 
 
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1}
+"""The signals launch/torchrun.sh has torchrun forward to the ranks: a user's or a scheduler's stop."""
+
+
 def _failure(failures: dict, reports: dict[int, tuple[int, str]], stopped: set[int]) -> tuple[str, bool]:
     """The failure that stopped a node's workers (global rank -> torchrun's ProcessFailure, with
     the ranks' own exit reports) as (description, final): its first rank that was not killed
@@ -205,8 +209,11 @@ def _failure(failures: dict, reports: dict[int, tuple[int, str]], stopped: set[i
     lost_peer = {rank for rank in causes if reports.get(rank, (0, ""))[1].startswith(LOST_PEER_PREFIX)}
     rank = min(causes, key=lambda r: (r in lost_peer, causes[r].timestamp, r))
     first, (code, line) = causes[rank], reports.get(rank, (None, ""))
-    final = any(reports.get(r, (0, ""))[0] not in (0, EXIT_HUNG) and r not in lost_peer and r in reports
-                for r in causes)
+    # A rank stopped by a stop signal (a Ctrl-C or a scheduler's, even one that came before it
+    # could report it) was stopped, not crashed: a restart is for crashes.
+    stopped_by_signal = any(-f.exitcode in STOP_SIGNALS or f.exitcode - 128 in STOP_SIGNALS for f in causes.values())
+    final = stopped_by_signal or any(reports.get(r, (0, ""))[0] not in (0, EXIT_HUNG) and r not in lost_peer
+                                     and r in reports for r in causes)
     if rank in lost_peer:  # what the rank said of its peer, without its advice to rerun
         how = ": " + line.removeprefix("error: ").split(";")[0]
     elif code == EXIT_HUNG:

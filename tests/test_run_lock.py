@@ -80,7 +80,7 @@ def test_a_rerun_right_after_kill_9_resumes_though_the_data_workers_live_on(tmp_
     notice a dead parent within seconds): the lock died with rank 0 all the same, so the same
     command run at once resumes. The workers are kept stopped (SIGSTOP) through the rerun, the
     longest they could linger; an flock would still be theirs."""
-    name = "killed"
+    name = "killed-then-rerun"  # (test_train_preemption's "killed" may share this process's workspace)
     command = runs.train_command([f"run_name={name}", "train.max_steps=100000", "checkpoint.interval=2",
                                   "data.num_workers=2"])
     command[command.index("torch.distributed.run")] = "pretrain.torchrun"
