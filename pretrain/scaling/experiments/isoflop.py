@@ -54,7 +54,7 @@ def main(overrides: list[str] = ()) -> int:
     ensure_prepared(data.path, data.source, seq_len=data.seq_len, tokenizer=data.tokenizer,
                     val_fraction=data.val_fraction)
     windows = {group: size_windows(sweep, group) for group in sweep.families}
-    rates = tune_learning_rates(sweep, windows)
+    rates, rate_runs = tune_learning_rates(sweep, windows)
     budget_runs = [one_run(sweep, group, size, budget, {LR_AXIS: rates[group, size]})
                    for group, by_budget in windows.items() for budget, sizes in by_budget.items()
                    for size in sizes]
@@ -67,19 +67,22 @@ def main(overrides: list[str] = ()) -> int:
             seed_runs += [one_run(sweep, group, best.size, budget, {**best.axes, "seed": seed})
                           for seed in EXTRA_SEEDS]
     train(sweep, seed_runs)
-    write_run_table(sweep, sweep.directory / "results" / RUN_TABLE.name)
-    return report.fit_command(report.FitOptions(dirs=[str(sweep.directory)], metric=METRIC,
-                                                out=str(sweep.directory / "fit")))
+    # The study's runs only: the sweep's directory may hold runs of an earlier design.
+    names = sorted({run.run_name for run in rate_runs + budget_runs + seed_runs})
+    write_run_table(sweep, names, sweep.directory / "results" / RUN_TABLE.name)
+    return report.fit_command(report.FitOptions(dirs=[str(sweep.directory / name) for name in names],
+                                                metric=METRIC, out=str(sweep.directory / "fit")))
 
 
-def write_run_table(sweep: Sweep, path: Path) -> None:
-    """One row per finished run of the sweep: family, size, seed, budget, tokens, FLOPs, the
+def write_run_table(sweep: Sweep, names: list[str], path: Path) -> None:
+    """One row per finished run of `names`: family, size, seed, budget, tokens, FLOPs, the
     final val loss, wall time, and the overrides of the base config that make the run, so that
     `python -m pretrain.train --config BASE OVERRIDES` re-runs it from its row alone."""
     base = flat(to_dict(load_config(sweep.base_config)))
+    cells = read_json(sweep.directory / SWEEP_FILE)["runs"]
     rows = []
-    for name, cell in sorted(read_json(sweep.directory / SWEEP_FILE)["runs"].items()):
-        summary = sweep.directory / name / SUMMARY_FILE
+    for name in names:
+        cell, summary = cells[name], sweep.directory / name / SUMMARY_FILE
         if not summary.is_file():
             continue
         record = read_json(summary)
@@ -120,9 +123,9 @@ def size_windows(sweep: Sweep, group: str) -> dict[float, list[str]]:
 
 
 def tune_learning_rates(sweep: Sweep, windows: dict[str, dict[float, list[str]]]
-                        ) -> dict[tuple[str, str], float]:
+                        ) -> tuple[dict[tuple[str, str], float], list[RunSpec]]:
     """(group, size) -> its best learning rate at the size's smallest budget, with the grid
-    widened until that best is not on its edge."""
+    widened until that best is not on its edge; and the runs that found them."""
     first_budget = {}
     for group, by_budget in windows.items():
         for budget, sizes in sorted(by_budget.items(), reverse=True):
@@ -136,7 +139,8 @@ def tune_learning_rates(sweep: Sweep, windows: dict[str, dict[float, list[str]]]
                  for key, cell in runs.items()}
         wider = {key: widened(by_rate) for key, by_rate in tried.items()}
         if not any(wider.values()):
-            return {key: min(by_rate, key=by_rate.get) for key, by_rate in tried.items()}
+            return ({key: min(by_rate, key=by_rate.get) for key, by_rate in tried.items()},
+                    [run for cell in runs.values() for run in cell])
         if widening == MAX_WIDENINGS:
             key = next(key for key, grid in wider.items() if grid)
             raise launch.SweepFailed(f"sweep {sweep.name}: {' '.join(key)}: the best learning rate "
