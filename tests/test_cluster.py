@@ -279,10 +279,13 @@ def trainer_pid(node: int, rank: int) -> int:
         try:
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             comm = Path(f"/proc/{pid}/comm").read_bytes()
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
         first_start = b"TORCHELASTIC_RESTART_COUNT=0" in environ
-        if f"RANK={rank}".encode() in environ and b"pt_data_worker" not in comm and first_start:
+        # (the trainer's resource tracker and loader workers inherit its environment)
+        trainer = b"pretrain.train" in command and b"pt_data_worker" not in comm
+        if f"RANK={rank}".encode() in environ and trainer and first_start:
             return int(pid)
     raise AssertionError(f"no trainer of rank {rank} on n{node}")
 

@@ -49,9 +49,12 @@ def rank_pid(launcher: subprocess.Popen, rank: int, other_than: int = 0) -> int 
         try:
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             comm = Path(f"/proc/{pid}/comm").read_bytes()
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if f"RANK={rank}".encode() in environ and b"pt_data_worker" not in comm and pid != other_than:
+        # (the trainer's resource tracker and loader workers inherit its environment)
+        trainer = b"pretrain.train" in command and b"pt_data_worker" not in comm
+        if f"RANK={rank}".encode() in environ and trainer and pid != other_than:
             return pid
     return None
 
