@@ -177,27 +177,23 @@ def listing(url: str) -> dict[str, int]:
 
 
 def exists(url: str) -> bool:
-    from botocore.exceptions import ClientError
-
     where = Location.of(url)
-    try:
-        client().head_object(Bucket=where.bucket, Key=where.key)
-    except ClientError as e:
-        if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
-            return False
-        raise explain(e, url, "reading") from None
-    except Exception as e:  # noqa: BLE001  (botocore's other errors, explained or re-raised)
-        raise explain(e, url, "reading") from None
-    return True
+    return _unless_missing(url, lambda: client().head_object(Bucket=where.bucket, Key=where.key)) is not None
 
 
 def read_bytes(url: str) -> bytes | None:
     """The object's bytes, None if there is no such object."""
     where = Location.of(url)
+    return _unless_missing(url, lambda: client().get_object(Bucket=where.bucket, Key=where.key)["Body"].read())
+
+
+def _unless_missing(url: str, request: Callable[[], T]) -> T | None:
+    """`request()` on the object at `url`: its result, None when there is no such object; any
+    other failure explained in one line."""
     from botocore.exceptions import ClientError
 
     try:
-        return client().get_object(Bucket=where.bucket, Key=where.key)["Body"].read()
+        return request()
     except ClientError as e:
         if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
             return None

@@ -33,6 +33,7 @@ from pretrain.config import load_config, to_dict
 from pretrain.scaling import launch, report
 from pretrain.scaling.registry import SUMMARY_FILE, SWEEP_FILE
 from pretrain.scaling.sweep import RunSpec, Sweep, expand, load_sweep
+from pretrain.training.metrics import flatten
 
 SWEEP = "configs/scaling/isoflop.yaml"
 RUN_TABLE = Path("docs/isoflop_runs.csv")
@@ -78,7 +79,7 @@ def write_run_table(sweep: Sweep, names: list[str], path: Path) -> None:
     """One row per finished run of `names`: family, size, seed, budget, tokens, FLOPs, the
     final val loss, wall time, and the overrides of the base config that make the run, so that
     `python -m pretrain.train --config BASE OVERRIDES` re-runs it from its row alone."""
-    base = flat(to_dict(load_config(sweep.base_config)))
+    base = flatten(to_dict(load_config(sweep.base_config)))
     cells = read_json(sweep.directory / SWEEP_FILE)["runs"]
     rows = []
     for name in names:
@@ -86,7 +87,7 @@ def write_run_table(sweep: Sweep, names: list[str], path: Path) -> None:
         if not summary.is_file():
             continue
         record = read_json(summary)
-        config = flat(yaml.safe_load((sweep.directory / "configs" / f"{name}.yaml").read_text()))
+        config = flatten(yaml.safe_load((sweep.directory / "configs" / f"{name}.yaml").read_text()))
         overrides = [f"{key}={json.dumps(value)}" for key, value in config.items()
                      if base.get(key) != value and key not in ("run_name", "output_root")]
         rows.append({"run": name, "family": cell["group"], "size": cell["size"], "seed": config["seed"],
@@ -97,17 +98,6 @@ def write_run_table(sweep: Sweep, names: list[str], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, report.to_csv(rows))
     print(f"wrote {path} ({len(rows)} runs)")
-
-
-def flat(tree: dict, prefix: str = "") -> dict:
-    """A nested config as dotted key -> value."""
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and value:
-            out.update(flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 def size_windows(sweep: Sweep, group: str) -> dict[float, list[str]]:
